@@ -1,0 +1,71 @@
+// Device helpers shared by the kernels: dtype traits and 16-byte vector access.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "qwen3_kernels/launchers.h"
+
+namespace qwen3_kernels {
+
+template <typename T>
+struct TypeTraits;
+
+template <>
+struct TypeTraits<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct TypeTraits<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return TypeTraits<T>::to_float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) { return TypeTraits<T>::from_float(v); }
+
+// Eight 16-bit values: one 16-byte load or store.
+template <typename T>
+struct alignas(16) Vec8 {
+  T v[8];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec8<T> load_vec8(const T* p) {
+  Vec8<T> r;
+  *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Host side: call a kernel template with T = __half or __nv_bfloat16.
+#define QWEN3_DISPATCH_HALF(dtype, T, ...)                  \
+  [&]() -> cudaError_t {                                   \
+    if ((dtype) == ::qwen3_kernels::DType::kFloat16) {     \
+      using T = __half;                                    \
+      return __VA_ARGS__();                                \
+    } else {                                               \
+      using T = __nv_bfloat16;                             \
+      return __VA_ARGS__();                                \
+    }                                                      \
+  }()
+
+}  // namespace qwen3_kernels

@@ -1,0 +1,84 @@
+// Launchers of every kernel: raw pointers + a stream, no torch headers (see ARCHITECTURE.md).
+// torch_bindings.cpp checks the tensors, then calls one of these. Each returns the launch's
+// cudaError_t (cudaSuccess or the first error), so the binding can raise a clear message.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace qwen3_kernels {
+
+enum class DType { kFloat16, kBFloat16 };
+
+// ---- activation.cu ------------------------------------------------------------------------
+// out[t, i] = silu(x[t, i]) * x[t, I + i]
+cudaError_t silu_and_mul(void* out,            // [T, I], row stride out_stride (elements)
+                         const void* x,        // [T, 2I], row stride x_stride (elements)
+                         int64_t num_tokens, int64_t intermediate, int64_t out_stride,
+                         int64_t x_stride, DType dtype, cudaStream_t stream);
+
+// ---- norm.cu --------------------------------------------------------------------------------
+// out = x * rsqrt(mean(x^2) + eps) * weight, per row
+cudaError_t rms_norm(void* out,               // [T, H], row stride out_stride
+                     const void* x,           // [T, H], row stride x_stride
+                     const void* weight,      // [H]
+                     int64_t num_tokens, int64_t hidden, int64_t out_stride, int64_t x_stride,
+                     float eps, DType dtype, cudaStream_t stream);
+
+// residual = x + residual; x = rms_norm(residual) (in place, both)
+cudaError_t fused_add_rms_norm(void* x,          // [T, H], row stride x_stride
+                               void* residual,   // [T, H], row stride residual_stride
+                               const void* weight,  // [H]
+                               int64_t num_tokens, int64_t hidden, int64_t x_stride,
+                               int64_t residual_stride, float eps, DType dtype,
+                               cudaStream_t stream);
+
+// ---- qk_norm_rope.cu --------------------------------------------------------------------------
+// Per-head RMSNorm of q and k heads, neox RoPE, K/V written to the paged cache. head_dim == 128.
+cudaError_t qk_norm_rope(void* q_out,                 // [T, Hq, D] contiguous
+                         const void* qkv,             // [T, (Hq + 2*Hkv) * D], row stride qkv_stride
+                         const void* q_norm_weight,   // [D]
+                         const void* k_norm_weight,   // [D]
+                         const float* cos_sin_cache,  // [max_position, D]: cos | sin halves
+                         const int64_t* positions,    // [T]
+                         void* k_cache,               // [num_blocks, block_size, Hkv, D]
+                         void* v_cache,               // [num_blocks, block_size, Hkv, D]
+                         const int32_t* slot_mapping, // [T], -1 = skip
+                         int64_t num_tokens, int64_t qkv_stride, int num_q_heads,
+                         int num_kv_heads, int head_dim, float eps, DType dtype,
+                         cudaStream_t stream);
+
+// ---- attention/ -------------------------------------------------------------------------------
+// Decode: one query token per sequence; split-KV with a combine pass when B * Hkv is small.
+cudaError_t paged_attention_decode(void* out,                    // [B, Hq, D]
+                                   const void* q,                // [B, Hq, D]
+                                   const void* k_cache,          // [num_blocks, block_size, Hkv, D]
+                                   const void* v_cache,          // [num_blocks, block_size, Hkv, D]
+                                   const int32_t* block_tables,  // [B, max_blocks]
+                                   const int32_t* seq_lens,      // [B]
+                                   float* workspace,             // [B, Hq, max_splits, D + 1]
+                                   int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                   int block_size, int max_blocks, int max_splits, float scale,
+                                   int num_sms, DType dtype, cudaStream_t stream);
+
+// Prefill: varlen causal, queries aligned to the end of each key sequence.
+cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
+                                    const void* q,                // [Tq, Hq, D]
+                                    const void* k_cache,          // [num_blocks, block_size, Hkv, D]
+                                    const void* v_cache,          // [num_blocks, block_size, Hkv, D]
+                                    const int32_t* cu_seqlens_q,  // [B + 1]
+                                    const int32_t* seq_lens_k,    // [B]
+                                    const int32_t* block_tables,  // [B, max_blocks]
+                                    int batch, int max_seqlen_q, int num_q_heads,
+                                    int num_kv_heads, int head_dim, int block_size,
+                                    int max_blocks, float scale, DType dtype,
+                                    cudaStream_t stream);
+
+// ---- gemm/ ------------------------------------------------------------------------------------
+// out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous); sm_90 only.
+cudaError_t qkv_gemm(void* out,        // [M, N]
+                     const void* x,    // [M, K]
+                     const void* w,    // [N, K]
+                     int64_t m, int64_t n, int64_t k, DType dtype, cudaStream_t stream);
+
+}  // namespace qwen3_kernels

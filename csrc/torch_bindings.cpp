@@ -1,0 +1,372 @@
+// Every schema of torch.ops.qwen3_kernels and the tensor checks in front of each CUDA launcher.
+// Host wrappers: checks -> device guard -> current stream -> launcher (dtype dispatch inside) ->
+// launch check. The Python wrappers (qwen3_kernels/ops.py) check the same contracts with friendlier
+// messages; these checks protect callers of torch.ops.qwen3_kernels.* directly.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "qwen3_kernels/launchers.h"
+
+namespace {
+
+using qwen3_kernels::DType;
+
+DType half_dtype(const at::Tensor& t, const char* op, const char* name) {
+  if (t.scalar_type() == at::kHalf) return DType::kFloat16;
+  if (t.scalar_type() == at::kBFloat16) return DType::kBFloat16;
+  TORCH_CHECK(false, "qwen3_kernels.", op, ": ", name, " must be float16 or bfloat16, got ",
+              t.scalar_type());
+}
+
+void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "qwen3_kernels.", op, ": ", name, " must be a CUDA tensor, got ",
+              t.device());
+  TORCH_CHECK(t.device() == like.device(), "qwen3_kernels.", op, ": ", name, " is on ",
+              t.device(), ", expected ", like.device());
+}
+
+void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == want, "qwen3_kernels.", op, ": ", name, " must be ", want,
+              ", got ", t.scalar_type());
+}
+
+void check_dim(const at::Tensor& t, int64_t ndim, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == ndim, "qwen3_kernels.", op, ": ", name, " must have ", ndim,
+              " dims, got shape ", t.sizes());
+}
+
+// Rows may be strided, but each row is dense and 16-byte aligned (the kernels use 16-byte access).
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), "qwen3_kernels.", op, ": ",
+              name, " must be 2-D with a unit stride in its last dim, got shape ", t.sizes(),
+              " strides ", t.strides());
+  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) % 8 == 0, "qwen3_kernels.", op, ": ", name,
+              "'s row stride must be a multiple of 8 elements (16 bytes), got ", t.stride(0));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "qwen3_kernels.", op, ": ",
+              name, " must be 16-byte aligned");
+}
+
+void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), "qwen3_kernels.", op, ": ", name,
+              " must be contiguous, got strides ", t.strides());
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "qwen3_kernels.", op, ": CUDA launch failed: ",
+              cudaGetErrorString(err));
+}
+
+// ---------------------------------------------------------------------------------------------
+// silu_and_mul / rms_norm / fused_add_rms_norm
+// ---------------------------------------------------------------------------------------------
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  const char* op = "silu_and_mul";
+  check_cuda(x, x, op, "x");
+  check_cuda(out, x, op, "out");
+  DType dt = half_dtype(x, op, "x");
+  check_dtype(out, x.scalar_type(), op, "out");
+  check_rows(x, op, "x");
+  check_rows(out, op, "out");
+  TORCH_CHECK(x.size(1) % 16 == 0, "qwen3_kernels.", op,
+              ": x's last dim (2 * intermediate) must be a multiple of 16, got ", x.size(1));
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1), "qwen3_kernels.", op,
+              ": out must be [", x.size(0), ", ", x.size(1) / 2, "], got ", out.sizes());
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::silu_and_mul(out.data_ptr(), x.data_ptr(), x.size(0), out.size(1),
+                                           out.stride(0), x.stride(0), dt,
+                                           at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps, const char* op) {
+  check_cuda(x, x, op, "x");
+  check_cuda(weight, x, op, "weight");
+  half_dtype(x, op, "x");
+  check_dtype(weight, x.scalar_type(), op, "weight");
+  check_rows(x, op, "x");
+  check_dim(weight, 1, op, "weight");
+  check_contiguous(weight, op, "weight");
+  TORCH_CHECK(weight.size(0) == x.size(1), "qwen3_kernels.", op, ": weight must be [", x.size(1),
+              "], got ", weight.sizes());
+  TORCH_CHECK(x.size(1) % 8 == 0, "qwen3_kernels.", op,
+              ": hidden size must be a multiple of 8, got ", x.size(1));
+  TORCH_CHECK(eps > 0, "qwen3_kernels.", op, ": eps must be positive, got ", eps);
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm";
+  check_norm_args(x, weight, eps, op);
+  check_cuda(out, x, op, "out");
+  check_dtype(out, x.scalar_type(), op, "out");
+  check_rows(out, op, "out");
+  TORCH_CHECK(out.sizes() == x.sizes(), "qwen3_kernels.", op, ": out must be ", x.sizes(),
+              ", got ", out.sizes());
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.size(0),
+                                       x.size(1), out.stride(0), x.stride(0), (float)eps,
+                                       half_dtype(x, op, "x"), at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  const char* op = "fused_add_rms_norm";
+  check_norm_args(x, weight, eps, op);
+  check_cuda(residual, x, op, "residual");
+  check_dtype(residual, x.scalar_type(), op, "residual");
+  check_rows(residual, op, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "qwen3_kernels.", op, ": residual must be ",
+              x.sizes(), ", got ", residual.sizes());
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::fused_add_rms_norm(
+                   x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.size(0), x.size(1),
+                   x.stride(0), residual.stride(0), (float)eps, half_dtype(x, op, "x"),
+                   at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qk_norm_rope
+// ---------------------------------------------------------------------------------------------
+
+void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like,
+                    const char* op) {
+  check_cuda(k_cache, like, op, "k_cache");
+  check_cuda(v_cache, like, op, "v_cache");
+  check_dtype(k_cache, like.scalar_type(), op, "k_cache");
+  check_dtype(v_cache, like.scalar_type(), op, "v_cache");
+  check_dim(k_cache, 4, op, "k_cache");
+  check_contiguous(k_cache, op, "k_cache");
+  check_contiguous(v_cache, op, "v_cache");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "qwen3_kernels.", op,
+              ": v_cache must have k_cache's shape ", k_cache.sizes(), ", got ", v_cache.sizes());
+  int64_t bs = k_cache.size(1);
+  TORCH_CHECK(bs >= 16 && bs <= 256 && (bs & (bs - 1)) == 0, "qwen3_kernels.", op,
+              ": block_size must be 16, 32, 64, 128 or 256, got ", bs);
+  TORCH_CHECK(k_cache.size(3) == 128, "qwen3_kernels.", op,
+              ": the CUDA kernel supports head_dim 128 only, got ", k_cache.size(3),
+              " (the Python wrapper runs the reference for other head dims)");
+}
+
+void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_norm_weight,
+                  const at::Tensor& k_norm_weight, const at::Tensor& cos_sin_cache,
+                  const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                  const at::Tensor& slot_mapping, int64_t num_q_heads, int64_t num_kv_heads,
+                  double eps) {
+  const char* op = "qk_norm_rope";
+  check_cuda(qkv, qkv, op, "qkv");
+  DType dt = half_dtype(qkv, op, "qkv");
+  check_rows(qkv, op, "qkv");
+  check_kv_cache(k_cache, v_cache, qkv, op);
+  const int64_t d = k_cache.size(3), t = qkv.size(0);
+  TORCH_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0 && num_q_heads >= 1,
+              "qwen3_kernels.", op, ": num_q_heads (", num_q_heads,
+              ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads, "qwen3_kernels.", op, ": k_cache has ",
+              k_cache.size(2), " kv heads, num_kv_heads is ", num_kv_heads);
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * d, "qwen3_kernels.", op,
+              ": qkv must be [T, ", (num_q_heads + 2 * num_kv_heads) * d, "], got ", qkv.sizes());
+  for (auto* w : {&q_norm_weight, &k_norm_weight}) {
+    check_cuda(*w, qkv, op, "q_norm_weight / k_norm_weight");
+    check_dtype(*w, qkv.scalar_type(), op, "q_norm_weight / k_norm_weight");
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == d && w->is_contiguous(), "qwen3_kernels.", op,
+                ": q_norm_weight / k_norm_weight must be contiguous [", d, "], got ", w->sizes());
+  }
+  check_cuda(cos_sin_cache, qkv, op, "cos_sin_cache");
+  check_dtype(cos_sin_cache, at::kFloat, op, "cos_sin_cache");
+  check_contiguous(cos_sin_cache, op, "cos_sin_cache");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == d, "qwen3_kernels.", op,
+              ": cos_sin_cache must be [max_position, ", d, "], got ", cos_sin_cache.sizes());
+  check_cuda(positions, qkv, op, "positions");
+  check_dtype(positions, at::kLong, op, "positions");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == t && positions.is_contiguous(),
+              "qwen3_kernels.", op, ": positions must be contiguous [", t, "], got ",
+              positions.sizes());
+  check_cuda(slot_mapping, qkv, op, "slot_mapping");
+  check_dtype(slot_mapping, at::kInt, op, "slot_mapping");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t && slot_mapping.is_contiguous(),
+              "qwen3_kernels.", op, ": slot_mapping must be contiguous [", t, "], got ",
+              slot_mapping.sizes());
+  check_cuda(q_out, qkv, op, "q_out");
+  check_dtype(q_out, qkv.scalar_type(), op, "q_out");
+  check_contiguous(q_out, op, "q_out");
+  TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == t && q_out.size(1) == num_q_heads &&
+                  q_out.size(2) == d,
+              "qwen3_kernels.", op, ": q_out must be [", t, ", ", num_q_heads, ", ", d, "], got ",
+              q_out.sizes());
+  TORCH_CHECK(eps > 0, "qwen3_kernels.", op, ": eps must be positive, got ", eps);
+  if (t == 0) return;
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  check_launch(qwen3_kernels::qk_norm_rope(
+                   q_out.data_ptr(), qkv.data_ptr(), q_norm_weight.data_ptr(),
+                   k_norm_weight.data_ptr(), cos_sin_cache.data_ptr<float>(),
+                   positions.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   slot_mapping.data_ptr<int32_t>(), t, qkv.stride(0), (int)num_q_heads,
+                   (int)num_kv_heads, (int)d, (float)eps, dt, at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged attention
+// ---------------------------------------------------------------------------------------------
+
+void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          int64_t num_seqs, const char* op) {
+  check_cuda(q, q, op, "q");
+  half_dtype(q, op, "q");
+  check_dim(q, 3, op, "q");
+  check_contiguous(q, op, "q");
+  check_kv_cache(k_cache, v_cache, q, op);
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "qwen3_kernels.", op, ": q's head_dim ", q.size(2),
+              " differs from the cache's ", k_cache.size(3));
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "qwen3_kernels.", op, ": q heads (", q.size(1),
+              ") must be a multiple of kv heads (", k_cache.size(2), ")");
+  check_cuda(out, q, op, "out");
+  check_dtype(out, q.scalar_type(), op, "out");
+  check_contiguous(out, op, "out");
+  TORCH_CHECK(out.sizes() == q.sizes(), "qwen3_kernels.", op, ": out must be ", q.sizes(),
+              ", got ", out.sizes());
+  check_cuda(block_tables, q, op, "block_tables");
+  check_dtype(block_tables, at::kInt, op, "block_tables");
+  check_dim(block_tables, 2, op, "block_tables");
+  check_contiguous(block_tables, op, "block_tables");
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "qwen3_kernels.", op, ": block_tables must have ",
+              num_seqs, " rows, got ", block_tables.size(0));
+}
+
+void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, at::Tensor& workspace) {
+  const char* op = "paged_attention_decode";
+  check_attention_args(out, q, k_cache, v_cache, block_tables, q.size(0), op);
+  check_cuda(seq_lens, q, op, "seq_lens");
+  check_dtype(seq_lens, at::kInt, op, "seq_lens");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
+              "qwen3_kernels.", op, ": seq_lens must be contiguous [", q.size(0), "], got ",
+              seq_lens.sizes());
+  check_cuda(workspace, q, op, "workspace");
+  check_dtype(workspace, at::kFloat, op, "workspace");
+  check_contiguous(workspace, op, "workspace");
+  TORCH_CHECK(workspace.dim() == 4 && workspace.size(0) == q.size(0) &&
+                  workspace.size(1) == q.size(1) && workspace.size(3) == q.size(2) + 1 &&
+                  workspace.size(2) >= 1,
+              "qwen3_kernels.", op, ": workspace must be [", q.size(0), ", ", q.size(1),
+              ", max_splits, ", q.size(2) + 1, "] float32, got ", workspace.sizes());
+  if (q.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  check_launch(qwen3_kernels::paged_attention_decode(
+                   out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                   workspace.data_ptr<float>(), (int)q.size(0), (int)q.size(1),
+                   (int)k_cache.size(2), (int)q.size(2), (int)k_cache.size(1),
+                   (int)block_tables.size(1), (int)workspace.size(2), (float)scale, num_sms,
+                   half_dtype(q, op, "q"), at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
+                             int64_t max_seqlen_q, double scale) {
+  const char* op = "paged_attention_prefill";
+  check_cuda(cu_seqlens_q, q, op, "cu_seqlens_q");
+  check_dtype(cu_seqlens_q, at::kInt, op, "cu_seqlens_q");
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1 && cu_seqlens_q.is_contiguous(),
+              "qwen3_kernels.", op, ": cu_seqlens_q must be contiguous [B + 1], got ",
+              cu_seqlens_q.sizes());
+  const int64_t b = cu_seqlens_q.size(0) - 1;
+  check_attention_args(out, q, k_cache, v_cache, block_tables, b, op);
+  check_cuda(seq_lens_k, q, op, "seq_lens_k");
+  check_dtype(seq_lens_k, at::kInt, op, "seq_lens_k");
+  TORCH_CHECK(seq_lens_k.dim() == 1 && seq_lens_k.size(0) == b && seq_lens_k.is_contiguous(),
+              "qwen3_kernels.", op, ": seq_lens_k must be contiguous [", b, "], got ",
+              seq_lens_k.sizes());
+  TORCH_CHECK(max_seqlen_q >= 0, "qwen3_kernels.", op, ": max_seqlen_q must be >= 0, got ",
+              max_seqlen_q);
+  if (q.size(0) == 0 || b == 0 || max_seqlen_q == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  check_launch(qwen3_kernels::paged_attention_prefill(
+                   out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   cu_seqlens_q.data_ptr<int32_t>(), seq_lens_k.data_ptr<int32_t>(),
+                   block_tables.data_ptr<int32_t>(), (int)b, (int)max_seqlen_q, (int)q.size(1),
+                   (int)k_cache.size(2), (int)q.size(2), (int)k_cache.size(1),
+                   (int)block_tables.size(1), (float)scale, half_dtype(q, op, "q"),
+                   at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qkv_gemm
+// ---------------------------------------------------------------------------------------------
+
+void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "qkv_gemm";
+  check_cuda(x, x, op, "x");
+  check_cuda(weight, x, op, "weight");
+  check_cuda(out, x, op, "out");
+  DType dt = half_dtype(x, op, "x");
+  check_dtype(weight, x.scalar_type(), op, "weight");
+  check_dtype(out, x.scalar_type(), op, "out");
+  check_dim(x, 2, op, "x");
+  check_dim(weight, 2, op, "weight");
+  check_contiguous(x, op, "x");
+  check_contiguous(weight, op, "weight");
+  check_contiguous(out, op, "out");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
+              "] but weight is ", weight.sizes(), ": inner dims differ");
+  TORCH_CHECK(k % 8 == 0 && n % 8 == 0, "qwen3_kernels.", op,
+              ": K and N must be multiples of 8, got K=", k, " N=", n);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "qwen3_kernels.", op,
+              ": out must be [", m, ", ", n, "], got ", out.sizes());
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::qkv_gemm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
+                                       dt, at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qwen3_kernels, ops) {
+  // out = silu(x[:, :I]) * x[:, I:]
+  ops.def("silu_and_mul(Tensor! out, Tensor x) -> ()");
+  ops.impl("silu_and_mul", torch::kCUDA, &silu_and_mul);
+  // out = x * rsqrt(mean(x^2) + eps) * weight
+  ops.def("rms_norm(Tensor! out, Tensor x, Tensor weight, float eps) -> ()");
+  ops.impl("rms_norm", torch::kCUDA, &rms_norm);
+  // residual += x; x = rms_norm(residual)
+  ops.def("fused_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps) -> ()");
+  ops.impl("fused_add_rms_norm", torch::kCUDA, &fused_add_rms_norm);
+  // q/k per-head RMSNorm + neox RoPE on packed qkv; K/V into the paged cache at slot_mapping
+  ops.def(
+      "qk_norm_rope(Tensor! q_out, Tensor qkv, Tensor q_norm_weight, Tensor k_norm_weight, "
+      "Tensor cos_sin_cache, Tensor positions, Tensor! k_cache, Tensor! v_cache, "
+      "Tensor slot_mapping, int num_q_heads, int num_kv_heads, float eps) -> ()");
+  ops.impl("qk_norm_rope", torch::kCUDA, &qk_norm_rope);
+  // one query token per sequence over its paged context; split-KV through workspace
+  ops.def(
+      "paged_attention_decode(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale, Tensor! workspace) -> ()");
+  ops.impl("paged_attention_decode", torch::kCUDA, &paged_attention_decode);
+  // varlen causal prefill over paged keys, queries aligned to the end of each key sequence
+  ops.def(
+      "paged_attention_prefill(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, "
+      "float scale) -> ()");
+  ops.impl("paged_attention_prefill", torch::kCUDA, &paged_attention_prefill);
+  // out = x @ weight^T (CUTLASS sm90)
+  ops.def("qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()");
+  ops.impl("qkv_gemm", torch::kCUDA, &qkv_gemm);
+}
+
+// Importable as qwen3_kernels._C; loading it runs the registration above.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

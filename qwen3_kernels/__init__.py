@@ -1,0 +1,48 @@
+"""qwen3-kernels: CUDA / CUTLASS kernels for the hot path of Qwen3 inference.
+
+    import torch, qwen3_kernels
+    out = qwen3_kernels.silu_and_mul(x)            # Python wrapper: checks, allocates out
+    torch.ops.qwen3_kernels.silu_and_mul(out, x)   # the raw out-variant op
+
+Without the CUDA extension every op runs its fp32 reference (``qwen3_kernels.reference``).
+"""
+
+import warnings as _warnings
+
+from . import reference
+from .ops import (
+    MAX_DECODE_SPLITS,
+    cuda_kernels_import_error,
+    decode_workspace,
+    fused_add_rms_norm,
+    has_cuda_kernels,
+    paged_attention_decode,
+    paged_attention_prefill,
+    qk_norm_rope,
+    qkv_gemm,
+    rms_norm,
+    silu_and_mul,
+)
+
+__all__ = [
+    "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fused_add_rms_norm",
+    "has_cuda_kernels", "paged_attention_decode", "paged_attention_prefill", "qk_norm_rope",
+    "qkv_gemm", "reference", "rms_norm", "silu_and_mul",
+]
+__version__ = "0.1.0"
+
+
+def _say_once_if_reference_only():
+    import torch
+
+    if not has_cuda_kernels() and torch.cuda.is_available():
+        # A CUDA machine without our extension is a broken install worth one clear line.
+        _warnings.warn(
+            "qwen3_kernels: CUDA is available but the CUDA extension is not built "
+            f"({cuda_kernels_import_error()}); ops run the slow PyTorch reference. "
+            "Reinstall with nvcc on PATH: pip install --no-build-isolation -e .",
+            stacklevel=2,
+        )
+
+
+_say_once_if_reference_only()

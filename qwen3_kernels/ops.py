@@ -1,0 +1,445 @@
+"""The ops as Python functions: input checks, then ``torch.ops.qwen3_kernels.*``.
+
+Every op is an out-variant in the dispatcher (``Tensor!`` outputs, returns ``()``), so it can run
+inside a CUDA graph with buffers allocated once. The functions here allocate ``out`` when it is
+not given and return it.
+
+Dispatch: the CUDA extension (``qwen3_kernels._C``) registers each schema and its CUDA kernel.
+Without it (no CUDA torch or no nvcc at install time) the same schemas are registered here and
+every device runs the fp32 reference in ``reference.py``. Either way the CPU implementation is the
+reference, and each op has a fake impl so ``torch.compile(fullgraph=True)`` traces it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+
+# Kept equal to the ops.def(...) strings in csrc/torch_bindings.cpp (tests/test_ops_cpu.py checks).
+SCHEMAS = {
+    "silu_and_mul": "silu_and_mul(Tensor! out, Tensor x) -> ()",
+    "rms_norm": "rms_norm(Tensor! out, Tensor x, Tensor weight, float eps) -> ()",
+    "fused_add_rms_norm": (
+        "fused_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps) -> ()"
+    ),
+    "qk_norm_rope": (
+        "qk_norm_rope(Tensor! q_out, Tensor qkv, Tensor q_norm_weight, Tensor k_norm_weight, "
+        "Tensor cos_sin_cache, Tensor positions, Tensor! k_cache, Tensor! v_cache, "
+        "Tensor slot_mapping, int num_q_heads, int num_kv_heads, float eps) -> ()"
+    ),
+    "paged_attention_decode": (
+        "paged_attention_decode(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor! workspace) -> ()"
+    ),
+    "paged_attention_prefill": (
+        "paged_attention_prefill(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, "
+        "float scale) -> ()"
+    ),
+    "qkv_gemm": "qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()",
+}
+
+try:
+    from . import _C  # noqa: F401  (registers the schemas and CUDA kernels)
+
+    _HAS_CUDA_KERNELS = True
+    _IMPORT_ERROR = None
+except ImportError as e:  # built without CUDA, or the build is missing
+    _HAS_CUDA_KERNELS = False
+    _IMPORT_ERROR = e
+    _lib_def = torch.library.Library("qwen3_kernels", "DEF")
+    for _schema in SCHEMAS.values():
+        _lib_def.define(_schema)
+
+_OPS = torch.ops.qwen3_kernels
+
+
+def has_cuda_kernels() -> bool:
+    """True when the CUDA extension was built and loaded; otherwise ops run the reference."""
+    return _HAS_CUDA_KERNELS
+
+
+def cuda_kernels_import_error() -> ImportError | None:
+    return _IMPORT_ERROR
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks: shared by every path, so the reference fallback fails exactly like the kernel.
+# ----------------------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fail(op: str, msg: str):
+    raise ValueError(f"qwen3_kernels.{op}: {msg}")
+
+
+def _check_tensor(op, name, t, *, ndim=None, dtype=None, dtypes=None, device=None, last_contig=True):
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        _fail(op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        _fail(op, f"{name} must be {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        _fail(op, f"{name} must be one of {dtypes}, got {t.dtype}")
+    if device is not None and t.device != device:
+        _fail(op, f"{name} is on {t.device}, expected {device} like the other inputs")
+    if last_contig and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(op, f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _check_shape(op, name, t, shape):
+    if tuple(t.shape) != tuple(shape):
+        _fail(op, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_contiguous(op, name, t):
+    if not t.is_contiguous():
+        _fail(op, f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def _run(name: str, kernel_ok: bool, *args):
+    """Call the op through the dispatcher, or its reference where the CUDA kernel does not cover
+    the case (fp32, head_dim != 128): documented fallbacks, never a silent wrong answer."""
+    if _HAS_CUDA_KERNELS and args[0].is_cuda and not kernel_ok:
+        _REFERENCE_IMPLS[name](*args)
+    else:
+        getattr(_OPS, name)(*args)
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Elementwise / normalisation
+# ----------------------------------------------------------------------------------------------
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2I] -> out [T, I] = silu(x[:, :I]) * x[:, I:]. Rows of x and out may be strided."""
+    op = "silu_and_mul"
+    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    if x.shape[1] % 2:
+        _fail(op, f"x's last dim must be even (2 * intermediate), got {x.shape[1]}")
+    if out is None:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+    _check_shape(op, "out", out, (x.shape[0], x.shape[1] // 2))
+    _run(op, x.dtype in _KERNEL_DTYPES, out, x)
+    return out
+
+
+def _check_norm(op, x, weight, eps):
+    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    _check_tensor(op, "weight", weight, ndim=1, dtype=x.dtype, device=x.device)
+    _check_shape(op, "weight", weight, (x.shape[1],))
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        _fail(op, f"eps must be a positive float, got {eps!r}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, H], weight [H] -> out [T, H]. Rows of x and out may be strided."""
+    op = "rms_norm"
+    _check_norm(op, x, weight, eps)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+    _check_shape(op, "out", out, x.shape)
+    _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight, float(eps))
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual += x; x = rms_norm(residual). x, residual [T, H]; weight [H]."""
+    op = "fused_add_rms_norm"
+    _check_norm(op, x, weight, eps)
+    _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
+    _check_shape(op, "residual", residual, x.shape)
+    _run(op, x.dtype in _KERNEL_DTYPES, x, residual, weight, float(eps))
+    return x, residual
+
+
+# ----------------------------------------------------------------------------------------------
+# qk_norm_rope
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_kv_cache(op, k_cache, v_cache, dtype, device):
+    _check_tensor(op, "k_cache", k_cache, ndim=4, dtype=dtype, device=device)
+    _check_tensor(op, "v_cache", v_cache, ndim=4, dtype=dtype, device=device)
+    _check_contiguous(op, "k_cache", k_cache)
+    _check_contiguous(op, "v_cache", v_cache)
+    _check_shape(op, "v_cache", v_cache, k_cache.shape)
+    if k_cache.shape[1] not in (16, 32, 64, 128, 256):
+        _fail(op, f"block_size (k_cache.shape[1]) must be one of 16..256 (powers of 2), got {k_cache.shape[1]}")
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-head RMSNorm of q and k, neox RoPE, K/V written into the paged cache.
+
+    qkv            [T, (Hq + 2*Hkv) * D]   packed output of the QKV projection (rows may be strided)
+    q_norm_weight  [D], k_norm_weight [D]  same dtype as qkv
+    cos_sin_cache  [max_position, D] fp32  cos | sin halves (``reference.rope_cos_sin_cache``)
+    positions      [T] int64               each < max_position
+    k_cache        [num_blocks, block_size, Hkv, D] (written), v_cache likewise
+    slot_mapping   [T] int32               block * block_size + offset; -1 = do not write
+    returns q_out  [T, Hq, D]
+    """
+    op = "qk_norm_rope"
+    _check_tensor(op, "qkv", qkv, ndim=2, dtypes=_FLOAT_DTYPES)
+    dev, dt = qkv.device, qkv.dtype
+    _check_kv_cache(op, k_cache, v_cache, dt, dev)
+    d = k_cache.shape[3]
+    if k_cache.shape[2] != num_kv_heads:
+        _fail(op, f"k_cache has {k_cache.shape[2]} kv heads, num_kv_heads is {num_kv_heads}")
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        _fail(op, f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if d % 2:
+        _fail(op, f"head_dim must be even for rope, got {d}")
+    t = qkv.shape[0]
+    _check_shape(op, "qkv", qkv, (t, (num_q_heads + 2 * num_kv_heads) * d))
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        _check_tensor(op, name, w, ndim=1, dtype=dt, device=dev)
+        _check_shape(op, name, w, (d,))
+    _check_tensor(op, "cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=dev)
+    _check_contiguous(op, "cos_sin_cache", cos_sin_cache)
+    if cos_sin_cache.shape[1] != d:
+        _fail(op, f"cos_sin_cache must be [max_position, {d}], got {tuple(cos_sin_cache.shape)}")
+    _check_tensor(op, "positions", positions, ndim=1, dtype=torch.int64, device=dev)
+    _check_shape(op, "positions", positions, (t,))
+    _check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtype=torch.int32, device=dev)
+    _check_shape(op, "slot_mapping", slot_mapping, (t,))
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        _fail(op, f"eps must be a positive float, got {eps!r}")
+    if q_out is None:
+        q_out = torch.empty(t, num_q_heads, d, dtype=dt, device=dev)
+    _check_tensor(op, "q_out", q_out, ndim=3, dtype=dt, device=dev)
+    _check_contiguous(op, "q_out", q_out)
+    _check_shape(op, "q_out", q_out, (t, num_q_heads, d))
+    # The CUDA kernel is specialised for Qwen3's head_dim 128; other head dims run the reference.
+    _run(
+        op, dt in _KERNEL_DTYPES and d == 128, q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions,
+        k_cache, v_cache, slot_mapping, int(num_q_heads), int(num_kv_heads), float(eps),
+    )
+    return q_out
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+# Split-KV decode keeps per-split partial outputs and log-sum-exps here: fp32
+# [B, Hq, MAX_DECODE_SPLITS, D + 1]. Allocate once per batch size and pass it in (CUDA graphs).
+MAX_DECODE_SPLITS = 64
+
+
+def decode_workspace(batch: int, num_q_heads: int, head_dim: int, device) -> torch.Tensor:
+    """The split-KV scratch buffer ``paged_attention_decode`` needs: [B, Hq, splits, D + 1] fp32."""
+    return torch.empty(batch, num_q_heads, MAX_DECODE_SPLITS, head_dim + 1,
+                       dtype=torch.float32, device=device)
+
+
+def _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq):
+    _check_tensor(op, "q", q, ndim=3, dtypes=_FLOAT_DTYPES)
+    dev, dt = q.device, q.dtype
+    _check_kv_cache(op, k_cache, v_cache, dt, dev)
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        _fail(op, f"head_dim of q ({d}) and of k_cache ({k_cache.shape[3]}) differ")
+    if hq % hkv:
+        _fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    _check_tensor(op, "block_tables", block_tables, ndim=2, dtype=torch.int32, device=dev)
+    if block_tables.shape[0] != nseq:
+        _fail(op, f"block_tables must have {nseq} rows (one per sequence), got {block_tables.shape[0]}")
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA, split-KV on CUDA).
+
+    q             [B, Hq, D]
+    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise
+    block_tables  [B, max_blocks] int32
+    seq_lens      [B] int32, each in [1, max_blocks * block_size]
+    workspace     [B, Hq, MAX_DECODE_SPLITS, D + 1] fp32 (``decode_workspace``), or None to allocate
+    returns out   [B, Hq, D]
+    """
+    op = "paged_attention_decode"
+    b = q.shape[0] if isinstance(q, torch.Tensor) else 0
+    _check_attention_common(op, q, k_cache, v_cache, block_tables, b)
+    _check_contiguous(op, "q", q)
+    _check_tensor(op, "seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
+    _check_shape(op, "seq_lens", seq_lens, (b,))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
+    _check_contiguous(op, "out", out)
+    _check_shape(op, "out", out, q.shape)
+    if workspace is None:
+        workspace = decode_workspace(b, q.shape[1], q.shape[2], q.device)
+    _check_tensor(op, "workspace", workspace, ndim=4, dtype=torch.float32, device=q.device)
+    _check_contiguous(op, "workspace", workspace)
+    _check_shape(op, "workspace", workspace, (b, q.shape[1], MAX_DECODE_SPLITS, q.shape[2] + 1))
+    kernel_ok = q.dtype in _KERNEL_DTYPES and q.shape[2] == 128
+    _run(op, kernel_ok, out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), workspace)
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention over paged keys, queries aligned to the end of each key sequence.
+
+    q             [Tq, Hq, D]
+    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise (already hold this chunk's K/V)
+    cu_seqlens_q  [B + 1] int32, cu_seqlens_q[0] = 0, cu_seqlens_q[B] = Tq
+    seq_lens_k    [B] int32, seq_lens_k[b] >= cu_seqlens_q[b+1] - cu_seqlens_q[b]
+    block_tables  [B, max_blocks] int32
+    max_seqlen_q  the largest query count of any sequence (sizes the grid without a host sync)
+    returns out   [Tq, Hq, D]
+    """
+    op = "paged_attention_prefill"
+    _check_tensor(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32)
+    nseq = cu_seqlens_q.shape[0] - 1
+    if nseq < 0:
+        _fail(op, "cu_seqlens_q must hold B + 1 >= 1 offsets")
+    _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq)
+    _check_contiguous(op, "q", q)
+    if cu_seqlens_q.device != q.device:
+        _fail(op, f"cu_seqlens_q is on {cu_seqlens_q.device}, expected {q.device}")
+    _check_tensor(op, "seq_lens_k", seq_lens_k, ndim=1, dtype=torch.int32, device=q.device)
+    _check_shape(op, "seq_lens_k", seq_lens_k, (nseq,))
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        _fail(op, f"max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
+    _check_contiguous(op, "out", out)
+    _check_shape(op, "out", out, q.shape)
+    kernel_ok = q.dtype in _KERNEL_DTYPES and q.shape[2] == 128
+    _run(op, kernel_ok, out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
+                                 block_tables, int(max_seqlen_q), float(scale))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+def qkv_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> out [T, N]; K and N multiples of 8."""
+    op = "qkv_gemm"
+    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    _check_tensor(op, "weight", weight, ndim=2, dtype=x.dtype, device=x.device)
+    _check_contiguous(op, "x", x)
+    _check_contiguous(op, "weight", weight)
+    n, k = weight.shape
+    if x.shape[1] != k:
+        _fail(op, f"x is [T, {x.shape[1]}] but weight is [N, {k}]: inner dims differ")
+    if k % 8 or n % 8:
+        _fail(op, f"K ({k}) and N ({n}) must be multiples of 8 (16-byte aligned rows)")
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+    _check_contiguous(op, "out", out)
+    _check_shape(op, "out", out, (x.shape[0], n))
+    _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference implementations for the dispatcher (CPU always; every device without the extension)
+# and fake impls for tracing.
+# ----------------------------------------------------------------------------------------------
+
+
+def _ref_silu_and_mul(out, x):
+    out.copy_(ref.silu_and_mul(x))
+
+
+def _ref_rms_norm(out, x, weight, eps):
+    out.copy_(ref.rms_norm(x, weight, eps))
+
+
+def _ref_fused_add_rms_norm(x, residual, weight, eps):
+    normed, new_res = ref.fused_add_rms_norm(x, residual, weight, eps)
+    residual.copy_(new_res)
+    x.copy_(normed)
+
+
+def _ref_qk_norm_rope(q_out, qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, hq, hkv, eps):
+    q_out.copy_(ref.qk_norm_rope(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, hq, hkv, eps))
+
+
+def _ref_paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, workspace):
+    out.copy_(ref.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale))
+
+
+def _ref_paged_attention_prefill(out, q, k_cache, v_cache, cu_q, lens_k, block_tables, max_q, scale):
+    out.copy_(ref.paged_attention_prefill(q, k_cache, v_cache, cu_q, lens_k, block_tables, scale))
+
+
+def _ref_qkv_gemm(out, x, weight):
+    out.copy_(ref.qkv_gemm(x, weight))
+
+
+_REFERENCE_IMPLS = {
+    "silu_and_mul": _ref_silu_and_mul,
+    "rms_norm": _ref_rms_norm,
+    "fused_add_rms_norm": _ref_fused_add_rms_norm,
+    "qk_norm_rope": _ref_qk_norm_rope,
+    "paged_attention_decode": _ref_paged_attention_decode,
+    "paged_attention_prefill": _ref_paged_attention_prefill,
+    "qkv_gemm": _ref_qkv_gemm,
+}
+
+_lib_impl = torch.library.Library("qwen3_kernels", "IMPL")
+for _name, _fn in _REFERENCE_IMPLS.items():
+    _lib_impl.impl(_name, _fn, "CPU")
+    if not _HAS_CUDA_KERNELS:
+        _lib_impl.impl(_name, _fn, "CUDA")
+
+
+def _fake(*args, **kwargs):  # every op is an out-variant: nothing to allocate while tracing
+    return None
+
+
+for _name in SCHEMAS:
+    torch.library.register_fake(f"qwen3_kernels::{_name}", _fake)

@@ -1,0 +1,203 @@
+"""Pure-PyTorch reference of every op: the spec.
+
+Each function computes in fp32 and returns its result in the input dtype. Tests compare the CUDA
+kernels against these, benchmarks use them as the eager / ``torch.compile`` baseline, and the
+package falls back to them on CPU (or for shapes a kernel does not cover).
+
+Names match the schema in ``csrc/torch_bindings.cpp`` and the kernels in ``csrc/kernels/``.
+These functions do not validate their inputs: ``qwen3_kernels.ops`` does, once, for every path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> [T, I] = silu(x[:, :I]) * x[:, I:]."""
+    i = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H], weight [H] -> [T, H]; normalised over the last dim."""
+    xf = x.float()
+    var = xf.pow(2).mean(dim=-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps) * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] -> (rms_norm(x + residual), x + residual).
+
+    The kernel writes the sum into ``residual`` and the normalised sum into ``x``. The sum is
+    rounded to the storage dtype before it is normalised, exactly as it is stored.
+    """
+    new_residual = (x.float() + residual.float()).to(residual.dtype)
+    return rms_norm(new_residual, weight, eps).to(x.dtype), new_residual
+
+
+def rope_cos_sin_cache(
+    head_dim: int, max_position: int, rope_theta: float, device=None
+) -> torch.Tensor:
+    """The cos/sin table every rope op reads: [max_position, head_dim] fp32, cos | sin halves.
+
+    Neox style (Qwen3, HF ``rotate_half``): frequency i in [0, head_dim/2) rotates the pair
+    (x[i], x[i + head_dim/2]).
+    """
+    inv_freq = 1.0 / (
+        rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    )
+    t = torch.arange(max_position, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)  # [max_position, head_dim/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] fp32, cos_sin [T, D] fp32 (cos | sin) -> x rotated, neox style."""
+    d2 = x.shape[-1] // 2
+    cos = cos_sin[:, None, :d2]
+    sin = cos_sin[:, None, d2:]
+    x1, x2 = x[..., :d2], x[..., d2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H, D] fp32 -> normalised over D, fp32 (no rounding: rope follows)."""
+    var = x.pow(2).mean(dim=-1, keepdim=True)
+    return x * torch.rsqrt(var + eps) * weight.float()
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """Qwen3's q_norm / k_norm + neox RoPE on the packed QKV, K/V written into the paged cache.
+
+    qkv            [T, (Hq + 2*Hkv) * D]   q heads, then k heads, then v heads
+    q_norm_weight  [D], k_norm_weight [D]
+    cos_sin_cache  [max_position, D] fp32  (see ``rope_cos_sin_cache``)
+    positions      [T] int64
+    k_cache        [num_blocks, block_size, Hkv, D]  (mutated)
+    v_cache        [num_blocks, block_size, Hkv, D]  (mutated)
+    slot_mapping   [T] int32: flat slot = block * block_size + offset; -1 skips the token
+    returns q      [T, Hq, D]
+    """
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    qkv3 = qkv.reshape(t, num_q_heads + 2 * num_kv_heads, d).float()
+    q = qkv3[:, :num_q_heads]
+    k = qkv3[:, num_q_heads : num_q_heads + num_kv_heads]
+    v = qkv3[:, num_q_heads + num_kv_heads :]
+    cos_sin = cos_sin_cache[positions.long()].float()
+    q = apply_rope(_head_rms_norm(q, q_norm_weight, eps), cos_sin)
+    k = apply_rope(_head_rms_norm(k, k_norm_weight, eps), cos_sin)
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, num_kv_heads, d)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, d)[slots] = v[keep].to(v_cache.dtype)
+    return q.to(qkv.dtype)
+
+
+def _gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], block_table [max_blocks] -> [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:n_blocks].long()
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def _attention_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [Lq, Hq, D], k/v [Lk, Hkv, D] (Lk >= Lq) -> [Lq, Hq, D] fp32.
+
+    Causal with the query block aligned to the end of the keys: query i sits at absolute
+    position Lk - Lq + i and sees keys 0 ..= Lk - Lq + i.
+    """
+    lq, hq, _ = q.shape
+    lk, hkv, _ = k.shape
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)  # [Hq, Lq, D]
+    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, Lk, D]
+    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Lq, Lk]
+    qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    kpos = torch.arange(lk, device=q.device)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(0, 1)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One new query token per sequence over its whole paged context (GQA).
+
+    q             [B, Hq, D]
+    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise
+    block_tables  [B, max_blocks] int32
+    seq_lens      [B] int32 (>= 1): keys 0 .. seq_lens[b]-1, the new token's included
+    returns       [B, Hq, D]
+    """
+    out = torch.empty_like(q)
+    lens = seq_lens.tolist()
+    for b, n in enumerate(lens):
+        k = _gather_kv(k_cache, block_tables[b], n)
+        v = _gather_kv(v_cache, block_tables[b], n)
+        out[b] = _attention_one(q[b : b + 1], k, v, scale)[0].to(q.dtype)
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen causal attention of new query tokens over paged keys (cached prefix + chunk).
+
+    q             [Tq, Hq, D]   the query tokens of B sequences, packed
+    cu_seqlens_q  [B + 1] int32 offsets of each sequence's queries in q
+    seq_lens_k    [B] int32     keys per sequence (>= its query count): prefix + this chunk
+    block_tables  [B, max_blocks] int32
+    returns       [Tq, Hq, D]
+    """
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens_k.tolist()
+    for b, n in enumerate(lens):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        k = _gather_kv(k_cache, block_tables[b], n)
+        v = _gather_kv(v_cache, block_tables[b], n)
+        out[s:e] = _attention_one(q[s:e], k, v, scale).to(q.dtype)
+    return out
+
+
+def qkv_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> [T, N], fp32 accumulate."""
+    return torch.matmul(x.float(), weight.float().t()).to(x.dtype)

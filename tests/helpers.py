@@ -1,3 +1,4 @@
+"""Shared by the tests: the CUDA skip marker and the error measure."""
 import pytest
 import torch
 

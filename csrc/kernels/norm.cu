@@ -1,0 +1,162 @@
+// rms_norm and fused_add_rms_norm: out = x * rsqrt(mean(x^2) + eps) * weight, one row per block.
+//
+// Memory-bound. The fast path keeps the row in registers (up to kMaxVecs 16-byte vectors per
+// thread) so each input is read from HBM exactly once: rms_norm moves read x + write out,
+// fused_add_rms_norm read x, read residual, write residual, write x. The sum x + residual is rounded
+// to the storage dtype before it is normalised, exactly as it is stored (the reference does the same).
+// Rows that do not fit (hidden > 8 * kMaxVecs * 1024) or are not 16-byte aligned take the scalar
+// path, which re-reads the row (from L1/L2) instead.
+#include <algorithm>
+
+#include "qwen3_kernels/common.cuh"
+
+namespace qwen3_kernels {
+namespace {
+
+constexpr int kMaxVecs = 4;  // 16-byte vectors held per thread: 4 x 8 = 32 elements
+
+// Sum over the block; every thread gets the result. blockDim.x is a multiple of 32.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int nwarps = blockDim.x / 32;
+  v = lane < nwarps ? partial[lane] : 0.0f;
+  v = warp_sum(v);
+  return v;
+}
+
+// kAdd: fused_add_rms_norm (residual += x, x = norm(residual)); else out = norm(x).
+template <typename T, bool kAdd>
+__global__ void rms_norm_vec_kernel(T* __restrict__ out,             // [T, H], row stride out_stride
+                                    T* __restrict__ residual,        // [T, H] (kAdd only)
+                                    const T* __restrict__ x,         // [T, H], row stride x_stride
+                                    const T* __restrict__ weight,    // [H]
+                                    int64_t hidden, int64_t out_stride, int64_t residual_stride,
+                                    int64_t x_stride, float eps) {
+  const int64_t row = blockIdx.x;
+  const int nvec = static_cast<int>(hidden / 8);
+  const T* xr = x + row * x_stride;
+  T* rr = kAdd ? residual + row * residual_stride : nullptr;
+
+  Vec8<T> v[kMaxVecs];
+  float sumsq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kMaxVecs; ++j) {  // issue every load first: bytes in flight hide latency
+    const int idx = threadIdx.x + j * blockDim.x;
+    if (idx < nvec) {
+      v[j] = load_vec8(xr + idx * 8);
+      if constexpr (kAdd) {
+        const Vec8<T> r = load_vec8(rr + idx * 8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[j].v[i] = from_float<T>(to_float(v[j].v[i]) + to_float(r.v[i]));
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxVecs; ++j) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    if (idx < nvec) {
+      if constexpr (kAdd) store_vec8(rr + idx * 8, v[j]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float f = to_float(v[j].v[i]);
+        sumsq += f * f;
+      }
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
+  T* outr = out + row * out_stride;
+#pragma unroll
+  for (int j = 0; j < kMaxVecs; ++j) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    if (idx < nvec) {
+      const Vec8<T> w = load_vec8(weight + idx * 8);
+      Vec8<T> o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        o.v[i] = from_float<T>(to_float(v[j].v[i]) * inv_rms * to_float(w.v[i]));
+      store_vec8(outr + idx * 8, o);
+    }
+  }
+}
+
+// Any hidden size and alignment: two passes over the row, the second from cache.
+template <typename T, bool kAdd>
+__global__ void rms_norm_scalar_kernel(T* __restrict__ out, T* __restrict__ residual,
+                                       const T* __restrict__ x, const T* __restrict__ weight,
+                                       int64_t hidden, int64_t out_stride,
+                                       int64_t residual_stride, int64_t x_stride, float eps) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  T* rr = kAdd ? residual + row * residual_stride : nullptr;
+  float sumsq = 0.0f;
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    float f = to_float(xr[i]);
+    if constexpr (kAdd) {
+      const T s = from_float<T>(f + to_float(rr[i]));
+      rr[i] = s;
+      f = to_float(s);
+    }
+    sumsq += f * f;
+  }
+  const float inv_rms = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
+  // Each thread re-reads only the elements it wrote itself, so no barrier is needed for kAdd.
+  const T* src = kAdd ? rr : xr;
+  for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x)
+    out[row * out_stride + i] = from_float<T>(to_float(src[i]) * inv_rms * to_float(weight[i]));
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <bool kAdd>
+cudaError_t launch(void* out, void* residual, const void* x, const void* weight,
+                   int64_t num_tokens, int64_t hidden, int64_t out_stride, int64_t residual_stride,
+                   int64_t x_stride, float eps, DType dtype, cudaStream_t stream) {
+  if (num_tokens == 0 || hidden == 0) return cudaSuccess;
+  const int64_t nvec = hidden / 8;
+  bool vec = hidden % 8 == 0 && out_stride % 8 == 0 && x_stride % 8 == 0 && aligned16(out) &&
+             aligned16(x) && aligned16(weight) && nvec <= kMaxVecs * 1024;
+  if (kAdd) vec = vec && residual_stride % 8 == 0 && aligned16(residual);
+  // Fewest threads that hold the row in kMaxVecs vectors each, rounded to whole warps; at least
+  // 64 threads so small rows still have a few warps of loads in flight.
+  int threads = 1024;
+  if (vec) {
+    threads = static_cast<int>((nvec + kMaxVecs - 1) / kMaxVecs);
+    threads = std::max(64, std::min(1024, (threads + 31) / 32 * 32));
+  }
+  const dim3 grid(static_cast<unsigned>(num_tokens));
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    if (vec) {
+      rms_norm_vec_kernel<T, kAdd><<<grid, threads, 0, stream>>>(
+          static_cast<T*>(out), static_cast<T*>(residual), static_cast<const T*>(x),
+          static_cast<const T*>(weight), hidden, out_stride, residual_stride, x_stride, eps);
+    } else {
+      rms_norm_scalar_kernel<T, kAdd><<<grid, 256, 0, stream>>>(
+          static_cast<T*>(out), static_cast<T*>(residual), static_cast<const T*>(x),
+          static_cast<const T*>(weight), hidden, out_stride, residual_stride, x_stride, eps);
+    }
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace
+
+cudaError_t rms_norm(void* out, const void* x, const void* weight, int64_t num_tokens,
+                     int64_t hidden, int64_t out_stride, int64_t x_stride, float eps, DType dtype,
+                     cudaStream_t stream) {
+  return launch<false>(out, nullptr, x, weight, num_tokens, hidden, out_stride, 0, x_stride, eps,
+                       dtype, stream);
+}
+
+cudaError_t fused_add_rms_norm(void* x, void* residual, const void* weight, int64_t num_tokens,
+                               int64_t hidden, int64_t x_stride, int64_t residual_stride,
+                               float eps, DType dtype, cudaStream_t stream) {
+  // x is both the input and the output: each thread reads its vectors before it writes them.
+  return launch<true>(x, residual, x, weight, num_tokens, hidden, x_stride, residual_stride,
+                      x_stride, eps, dtype, stream);
+}
+
+}  // namespace qwen3_kernels

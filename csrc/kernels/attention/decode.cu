@@ -1,0 +1,523 @@
+// paged_attention_decode: one new query token per sequence attends over its whole paged KV context
+// (GQA), split-KV ("flash-decoding") with a combine pass when the batch alone cannot fill the GPU.
+//
+// Spec: qwen3_kernels/reference.py::paged_attention_decode (fp32 softmax, output in the input dtype).
+// head_dim is fixed at 128 and block_size must be a multiple of 16; the launcher returns
+// cudaErrorInvalidValue otherwise (the Python wrapper runs the reference for other head dims).
+//
+// Why this shape: decode attention reads every K/V byte of the context once and does ~2 FLOP per
+// byte per q head, so it is bound by HBM. The design goals are (1) read each kv head's K/V once for
+// all the q heads of its group, (2) keep enough bytes in flight on every SM, (3) spend few
+// instructions per byte so the memory pipe never waits on math.
+//
+// Work split:
+//   * A CTA owns one (sequence b, kv head, split). Its 16 "rows" are the q heads of that kv group
+//     (Hq / Hkv of them; the rest are zero padding; groups larger than 16 take several CTAs, each
+//     re-reading the K/V: a case Qwen3 does not have).
+//   * The keys of a sequence are cut into tiles of 16 (the smallest block size, so a tile never spans
+//     two cache blocks: one block-table lookup per tile). The tiles are divided evenly among the
+//     splits, using the sequence's real length read on the device: the split count itself is chosen
+//     on the host from B, Hkv, the SM count and the context's upper bound (max_blocks * block_size),
+//     so no host sync is needed and a CUDA graph replays correctly whatever seq_lens hold.
+//   * Inside the CTA each of the 4 warps takes every 4th tile of the split and runs its own
+//     cp.async pipeline (3 stages of a 16-key K tile + V tile = 8 KB each) and its own online
+//     softmax; warps never wait for each other until the final merge through shared memory.
+//   * Math on tensor cores (mma.sync m16n8k16, fp32 accumulate): S = Q K^T with Q (16 rows x 128)
+//     held in registers for the whole kernel, P = softmax numerator rounded to the input dtype (as
+//     FlashAttention does), O += P V. This leaves the SM's issue slots nearly idle, which is what a
+//     bandwidth-bound kernel wants.
+//   * One split: the CTA normalises and writes out[b, h, :] directly. Several splits: each CTA
+//     writes its normalised partial output and log2-sum-exp to the workspace, and a small combine
+//     kernel merges them. A split with no keys writes lse = -inf and the combine skips it.
+//
+// Shared memory tiles are [16 keys][128 dims] with the 16-byte chunk index XOR-swizzled by
+// (row & 7), so ldmatrix (8 rows x 16 bytes per phase) and the cp.async writes are bank-conflict
+// free.
+//
+// Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
+// arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so the
+// partial rows stay 16-byte aligned. Same bytes, private layout.
+//
+// Not checked on the device (no bound is passed, and a check would need a host sync): block_tables
+// entries must be < num_blocks. seq_lens are clamped to [0, max_blocks * block_size]; a sequence of
+// length 0 gets a zero output.
+#include "qwen3_kernels/common.cuh"
+
+namespace qwen3_kernels {
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int kRows = 16;                       // q heads per CTA: the mma M dimension
+constexpr int kTileKeys = 16;                   // keys per warp tile (= smallest block size)
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 3;                      // per-warp cp.async pipeline depth
+constexpr int kTileElems = kTileKeys * kHeadDim;
+constexpr int kStageElems = 2 * kTileElems;     // K tile then V tile
+constexpr int kPipeBytes = kWarps * kStages * kStageElems * 2;
+constexpr int kMergeStride = kHeadDim + 8;      // padded fp32 row: conflict-free float2 stores
+constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
+constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+constexpr int kMaxSplits = 64;                  // combine kernel holds one weight per split
+static_assert(kThreads == kHeadDim, "the merge and combine give each thread one dim");
+static_assert(kTileElems * 2 / 16 == 8 * 32, "a tile is 8 16-byte chunks per lane");
+
+struct DecodeParams {
+  void* out;                    // [B, Hq, 128]
+  const void* q;                // [B, Hq, 128]
+  const void* k_cache;          // [num_blocks, block_size, Hkv, 128]
+  const void* v_cache;          // [num_blocks, block_size, Hkv, 128]
+  const int32_t* block_tables;  // [B, max_blocks]
+  const int32_t* seq_lens;      // [B]
+  float* ws_out;                // [B, Hq, max_splits, 128] partial outputs (normalised)
+  float* ws_lse;                // [B, Hq, max_splits] log2-sum-exp of each partial (scaled logits)
+  int num_q_heads, num_kv_heads, group, head_chunks;
+  int block_size, max_blocks, num_splits, max_splits;
+  int ctx_cap;                  // min(max_blocks * block_size, 2^30): seq_lens are clamped to it
+  float scale_log2;             // softmax scale * log2(e): the kernel works in base 2
+};
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy, L2 only (K/V are streamed once). src_bytes = 0 writes zeros: keys
+// past the sequence end become K = V = 0, so no stale NaN in the cache can reach the output.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c[16x8 fp32] += a[16x16] * b[16x8], fragments in the PTX ISA's m16n8k16 layout.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 -> one register of two 16-bit values, the lower column in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [16][128] tile.
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// ---- main kernel --------------------------------------------------------------------------------
+
+// grid (num_splits, Hkv * head_chunks, B), kThreads threads, kSmemBytes dynamic shared memory.
+template <typename T, bool kSplit>
+__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y / p.head_chunks;
+  const int chunk = blockIdx.y % p.head_chunks;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row g (and g + 8), col pair t
+  const int head0 = kvh * p.group + chunk * kRows;
+  const int rows = min(kRows, p.group - chunk * kRows);
+
+  // This split's share of the sequence's tiles, from the length on the device.
+  const int seq_len = max(0, min(p.seq_lens[b], p.ctx_cap));
+  const int n_tiles = (seq_len + kTileKeys - 1) / kTileKeys;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(split * per_split, n_tiles);
+  const int tile_end = min(tile_begin + per_split, n_tiles);
+  const int my_first = tile_begin + warp;  // this warp: tiles my_first, + kWarps, ... < tile_end
+  const int n_mine = tile_end > my_first ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
+
+  // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero.
+  const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim;
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + (r & 1) * 8;
+      const int col = ks * 16 + (r >> 1) * 8 + 2 * t;
+      qa[ks][r] = row < rows ? *reinterpret_cast<const uint32_t*>(q + row * kHeadDim + col) : 0u;
+    }
+  }
+
+  // Per-warp cp.async pipeline.
+  T* pipe = reinterpret_cast<T*>(smem) + warp * kStages * kStageElems;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;  // between keys
+  const int64_t block_stride = row_stride * p.block_size;
+  const T* k_head = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kvh) * kHeadDim;
+  const T* v_head = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kvh) * kHeadDim;
+  const int lane_chunk = lane & 15;  // each lane copies 16-byte chunk lane_chunk of rows lane/16 + 2j
+
+  // The block id of the i-th tile of this warp, read one tile ahead of its copy so the copy never
+  // waits on the block-table load.
+  auto block_of = [&](int i) -> int {
+    return i < n_mine ? table[(my_first + i * kWarps) * kTileKeys / p.block_size] : 0;
+  };
+  auto issue = [&](int i, int block) {
+    const int key0 = (my_first + i * kWarps) * kTileKeys;
+    const int64_t base = static_cast<int64_t>(block) * block_stride +
+                         static_cast<int64_t>(key0 % p.block_size) * row_stride + lane_chunk * 8;
+    T* ks = pipe + (i % kStages) * kStageElems;
+    T* vs = ks + kTileElems;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int row = (lane >> 4) + 2 * j;
+      const bool valid = key0 + row < seq_len;
+      const int64_t off = base + (valid ? row : 0) * row_stride;
+      cp_async_16(smem_addr(ks + swz(row, lane_chunk)), k_head + off, valid ? 16 : 0);
+      cp_async_16(smem_addr(vs + swz(row, lane_chunk)), v_head + off, valid ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_mine) issue(s, block_of(s));
+    cp_async_commit();  // empty groups keep the wait_group count uniform
+  }
+  int next_block = block_of(kStages - 1);
+
+  float o[16][4];  // O accumulator: dims 8j + 2t (+1), rows g and g + 8
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max of rows g, g + 8 (scaled, base 2)
+  float l0 = 0.f, l1 = 0.f;              // this lane's part of the running sums
+
+  for (int i = 0; i < n_mine; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncwarp();  // tile i visible to the whole warp; tile i - 1's buffer free to overwrite
+    if (i + kStages - 1 < n_mine) {
+      issue(i + kStages - 1, next_block);
+      next_block = block_of(i + kStages);
+    }
+    cp_async_commit();
+
+    const T* ks = pipe + (i % kStages) * kStageElems;
+    const T* vs = ks + kTileElems;
+
+    // S = Q K^T for 16 keys: two n8 tiles. ldmatrix matrices: (keys 0-7 | 8-15) x (dims lo | hi).
+    float s[2][4] = {};
+    {
+      const int key = (lane & 7) + ((lane >> 4) << 3);
+      const int hi = (lane >> 3) & 1;
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, smem_addr(ks + swz(key, 2 * kk + hi)));
+        mma_16816<T>(s[0], qa[kk], kb[0], kb[1]);
+        mma_16816<T>(s[1], qa[kk], kb[2], kb[3]);
+      }
+    }
+
+    // Online softmax in base 2; keys past the sequence end are -inf.
+    const int key_base = (my_first + i * kWarps) * kTileKeys;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key_base + 8 * j + 2 * t + (e & 1);
+        s[j][e] = key < seq_len ? s[j][e] * p.scale_log2 : -INFINITY;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    // Every tile holds at least one real key, so the new maxima are finite.
+    const float new_m0 = fmaxf(m0, mx0), new_m1 = fmaxf(m1, mx1);
+    const float alpha0 = exp2f(m0 - new_m0), alpha1 = exp2f(m1 - new_m1);
+    m0 = new_m0;
+    m1 = new_m1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = exp2f(s[j][0] - m0);
+      s[j][1] = exp2f(s[j][1] - m0);
+      s[j][2] = exp2f(s[j][2] - m1);
+      s[j][3] = exp2f(s[j][3] - m1);
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[j][0] *= alpha0;
+      o[j][1] *= alpha0;
+      o[j][2] *= alpha1;
+      o[j][3] *= alpha1;
+    }
+
+    // O += P V. P's C-fragment layout (two n8 tiles) is exactly the A layout of one k16 step.
+    uint32_t pa[4];
+    pa[0] = pack2<T>(s[0][0], s[0][1]);
+    pa[1] = pack2<T>(s[0][2], s[0][3]);
+    pa[2] = pack2<T>(s[1][0], s[1][1]);
+    pa[3] = pack2<T>(s[1][2], s[1][3]);
+    {
+      // ldmatrix.trans matrices: (keys 0-7 | 8-15) x (dims 16n .. +7 | 16n + 8 .. +15).
+      const int key = (lane & 7) + (((lane >> 3) & 1) << 3);
+      const int hi = lane >> 4;
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, smem_addr(vs + swz(key, 2 * n + hi)));
+        mma_16816<T>(o[2 * n], pa, vb[0], vb[1]);
+        mma_16816<T>(o[2 * n + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+
+  // Merge the warps' partial softmax states through shared memory (pipeline buffers reused).
+  cp_async_wait<0>();
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  __syncthreads();
+  float* so = reinterpret_cast<float*>(smem);                   // [kWarps][kRows][kMergeStride]
+  float* sm = so + kWarps * kRows * kMergeStride;               // [kWarps][kRows] maxima
+  float* sl = sm + kWarps * kRows;                              // [kWarps][kRows] sums
+  {
+    float* r0 = so + (warp * kRows + g) * kMergeStride + 2 * t;
+    float* r1 = r0 + 8 * kMergeStride;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      *reinterpret_cast<float2*>(r0 + 8 * j) = make_float2(o[j][0], o[j][1]);
+      *reinterpret_cast<float2*>(r1 + 8 * j) = make_float2(o[j][2], o[j][3]);
+    }
+    if (t == 0) {
+      sm[warp * kRows + g] = m0;
+      sm[warp * kRows + g + 8] = m1;
+      sl[warp * kRows + g] = l0;
+      sl[warp * kRows + g + 8] = l1;
+    }
+  }
+  __syncthreads();
+
+  const int d = threadIdx.x;
+  for (int r = 0; r < rows; ++r) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + r]);
+    float l = 0.f, acc = 0.f;
+    if (m != -INFINITY) {  // else: no key at all in this split (or an empty sequence)
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2f(sm[w * kRows + r] - m);  // 0 for an idle warp (max -inf)
+        l += sl[w * kRows + r] * f;
+        acc += so[(w * kRows + r) * kMergeStride + d] * f;
+      }
+    }
+    const float val = l > 0.f ? acc / l : 0.f;
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + r;
+    if constexpr (kSplit) {
+      const int64_t slot = bh * p.max_splits + split;
+      p.ws_out[slot * kHeadDim + d] = val;
+      if (d == 0) p.ws_lse[slot] = l > 0.f ? m + __log2f(l) : -INFINITY;
+    } else {
+      static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(val);
+    }
+  }
+}
+
+// ---- combine kernel -----------------------------------------------------------------------------
+
+// grid (B * Hq), kThreads threads: out[b, h, d] = sum_s w_s * partial_s[d] / sum_s w_s with
+// w_s = 2^(lse_s - max lse). Splits that saw no key (lse = -inf) are skipped, so their stale
+// workspace rows (maybe NaN) are never read.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) paged_decode_combine_kernel(const DecodeParams p) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float inv_total;
+  const int64_t bh = blockIdx.x;
+  const float* lse = p.ws_lse + bh * p.max_splits;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
+    const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
+    float m = fmaxf(a, c);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
+    const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
+    weight[lane] = wa;
+    weight[lane + 32] = wc;
+    const float total = warp_sum(wa + wc);
+    if (lane == 0) inv_total = total > 0.f ? 1.f / total : 0.f;
+  }
+  __syncthreads();
+  const int d = threadIdx.x;
+  const float* part = p.ws_out + bh * p.max_splits * kHeadDim + d;
+  float acc = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float w = weight[s];
+    if (w != 0.f) acc += w * part[static_cast<int64_t>(s) * kHeadDim];
+  }
+  static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(acc * inv_total);
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+
+// Resident CTAs of the main kernel per SM (1 on A100's 164 KB of shared memory, 2 on H100/H200),
+// queried once per device. Also raises the kernel's dynamic shared memory limit, which is per device.
+template <typename T, bool kSplit>
+cudaError_t prepare_kernel(int* ctas_per_sm) {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < kMaxDevices && cached[dev] > 0) {
+    *ctas_per_sm = cached[dev];
+    return cudaSuccess;
+  }
+  auto kernel = paged_decode_kernel<T, kSplit>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  int n = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  n = n > 0 ? n : 1;
+  if (dev < kMaxDevices) cached[dev] = n;
+  *ctas_per_sm = n;
+  return cudaSuccess;
+}
+
+// How many splits: enough CTAs for whole waves over every SM slot, with each split keeping each
+// warp busy for several tiles (a pipeline that never fills wastes bandwidth). Depends only on host
+// values, never on seq_lens, so it needs no sync and stays valid across CUDA graph replays.
+int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits) {
+  if (base_ctas * 5 >= slots * 4) return 1;  // the batch alone fills >= 80% of a wave
+  const int min_tiles_per_split = kWarps * 4;
+  const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
+  int cap = ctx_tiles / min_tiles_per_split;
+  cap = cap < max_splits ? cap : max_splits;
+  cap = cap < kMaxSplits ? cap : kMaxSplits;
+  if (cap <= 1) return 1;
+  // Fraction of the last wave that is busy, for each split count; take the smallest count within
+  // 5% of the best (fewer splits = less combine traffic).
+  auto efficiency = [&](int s) {
+    const double waves = static_cast<double>(base_ctas) * s / slots;
+    return waves / static_cast<double>(static_cast<int>(waves + 0.999999));
+  };
+  double best = 0.0;
+  for (int s = 1; s <= cap; ++s) best = efficiency(s) > best ? efficiency(s) : best;
+  for (int s = 1; s <= cap; ++s)
+    if (efficiency(s) >= 0.95 * best) return s;
+  return cap;
+}
+
+template <typename T>
+cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, cudaStream_t stream) {
+  int ctas_per_sm = 1, unused = 1;
+  cudaError_t err = prepare_kernel<T, true>(&ctas_per_sm);
+  if (err != cudaSuccess) return err;
+  err = prepare_kernel<T, false>(&unused);
+  if (err != cudaSuccess) return err;
+
+  const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
+  p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits);
+  const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
+  if (p.num_splits == 1) {
+    paged_decode_kernel<T, false><<<grid, kThreads, kSmemBytes, stream>>>(p);
+    return cudaGetLastError();
+  }
+  paged_decode_kernel<T, true><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  paged_decode_combine_kernel<T><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache,
+                                   const void* v_cache, const int32_t* block_tables,
+                                   const int32_t* seq_lens, float* workspace, int batch,
+                                   int num_q_heads, int num_kv_heads, int head_dim,
+                                   int block_size, int max_blocks, int max_splits, float scale,
+                                   int num_sms, DType dtype, cudaStream_t stream) {
+  if (head_dim != kHeadDim || block_size < kTileKeys || block_size % kTileKeys != 0 ||
+      num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0 || max_splits < 1 ||
+      max_blocks < 1 || num_sms < 1 || batch < 0 || batch > 65535 ||
+      reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(v_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0)
+    return cudaErrorInvalidValue;
+  if (batch == 0) return cudaSuccess;
+  DecodeParams p{};
+  p.out = out;
+  p.q = q;
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.block_tables = block_tables;
+  p.seq_lens = seq_lens;
+  p.ws_out = workspace;
+  p.ws_lse = workspace + static_cast<int64_t>(batch) * num_q_heads * max_splits * kHeadDim;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_q_heads / num_kv_heads;
+  p.head_chunks = (p.group + kRows - 1) / kRows;
+  p.block_size = block_size;
+  p.max_blocks = max_blocks;
+  p.max_splits = max_splits;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  const int64_t max_ctx64 = static_cast<int64_t>(max_blocks) * block_size;
+  const int max_ctx = max_ctx64 > (1 << 30) ? (1 << 30) : static_cast<int>(max_ctx64);
+  p.ctx_cap = max_ctx;
+  if (num_kv_heads * p.head_chunks > 65535) return cudaErrorInvalidValue;
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] { return launch<T>(p, batch, max_ctx, num_sms, stream); });
+}
+
+}  // namespace qwen3_kernels

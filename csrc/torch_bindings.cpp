@@ -2,8 +2,10 @@
 // Host wrappers: checks -> device guard -> current stream -> launcher (dtype dispatch inside) ->
 // launch check. The Python wrappers (qwen3_kernels/ops.py) check the same contracts with friendlier
 // messages; these checks protect callers of torch.ops.qwen3_kernels.* directly.
-#include <ATen/cuda/CUDAContext.h>
+// c10/cuda only (not ATen/cuda/CUDAContext.h, which pulls cuBLAS / cuSPARSE headers), so this file
+// also syntax-checks on a machine without them (tests/test_build.py).
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -75,7 +77,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(qwen3_kernels::silu_and_mul(out.data_ptr(), x.data_ptr(), x.size(0), out.size(1),
                                            out.stride(0), x.stride(0), dt,
-                                           at::cuda::getCurrentCUDAStream()),
+                                           c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
@@ -104,7 +106,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(qwen3_kernels::rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.size(0),
                                        x.size(1), out.stride(0), x.stride(0), (float)eps,
-                                       half_dtype(x, op, "x"), at::cuda::getCurrentCUDAStream()),
+                                       half_dtype(x, op, "x"), c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
@@ -122,7 +124,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   check_launch(qwen3_kernels::fused_add_rms_norm(
                    x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.size(0), x.size(1),
                    x.stride(0), residual.stride(0), (float)eps, half_dtype(x, op, "x"),
-                   at::cuda::getCurrentCUDAStream()),
+                   c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
@@ -206,7 +208,7 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
                    k_norm_weight.data_ptr(), cos_sin_cache.data_ptr<float>(),
                    positions.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(),
                    slot_mapping.data_ptr<int32_t>(), t, qkv.stride(0), (int)num_q_heads,
-                   (int)num_kv_heads, (int)d, (float)eps, dt, at::cuda::getCurrentCUDAStream()),
+                   (int)num_kv_heads, (int)d, (float)eps, dt, c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
@@ -259,14 +261,15 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
               ", max_splits, ", q.size(2) + 1, "] float32, got ", workspace.sizes());
   if (q.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int num_sms = 0;
+  cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device());
   check_launch(qwen3_kernels::paged_attention_decode(
                    out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                    block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                    workspace.data_ptr<float>(), (int)q.size(0), (int)q.size(1),
                    (int)k_cache.size(2), (int)q.size(2), (int)k_cache.size(1),
                    (int)block_tables.size(1), (int)workspace.size(2), (float)scale, num_sms,
-                   half_dtype(q, op, "q"), at::cuda::getCurrentCUDAStream()),
+                   half_dtype(q, op, "q"), c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
@@ -297,7 +300,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
                    block_tables.data_ptr<int32_t>(), (int)b, (int)max_seqlen_q, (int)q.size(1),
                    (int)k_cache.size(2), (int)q.size(2), (int)k_cache.size(1),
                    (int)block_tables.size(1), (float)scale, half_dtype(q, op, "q"),
-                   at::cuda::getCurrentCUDAStream()),
+                   c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
@@ -328,7 +331,7 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(qwen3_kernels::qkv_gemm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
-                                       dt, at::cuda::getCurrentCUDAStream()),
+                                       dt, c10::cuda::getCurrentCUDAStream()),
                op);
 }
 

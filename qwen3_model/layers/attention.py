@@ -1,0 +1,93 @@
+"""Attention over the paged KV cache, reading the step's layout from the per-forward Context.
+
+A step's flat token batch is prefill tokens first, then one token per decoding sequence
+(``qwen3_model.utils.context``). One fused op normalises q / k per head, applies RoPE and writes
+K / V into the cache; then the prefill part and the decode part each run their own kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qwen3_kernels
+from qwen3_model.utils.context import get_context
+
+# The fused QKV projection goes through our CUTLASS GEMM on CUDA in bf16 / fp16; set to False to
+# compare against cuBLAS (F.linear), which is also the path everywhere else.
+USE_QKV_GEMM = True
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, hidden] @ weight [N, hidden]^T (+ bias [N]) -> [T, N]."""
+    use_kernel = (
+        USE_QKV_GEMM
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and qwen3_kernels.has_cuda_kernels()
+        and x.shape[0] > 0
+        and weight.shape[0] % 8 == 0
+        and weight.shape[1] % 8 == 0
+    )
+    if not use_kernel:
+        return F.linear(x, weight, bias)
+    out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
+    return out.add_(bias) if bias is not None else out
+
+
+class Attention(nn.Module):
+    """Paged GQA attention for this rank's heads.
+
+    ``k_cache`` / ``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the
+    model runner once it has sized the cache; they start empty.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float):
+        super().__init__()
+        self.num_heads = num_heads  # local to this rank
+        self.num_kv_heads = num_kv_heads  # local to this rank
+        self.head_dim = head_dim
+        self.scale = float(scale)
+        self.eps = float(eps)
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 * Hkv) * D] this rank's packed projection
+        positions: torch.Tensor,  # [T] int64
+        q_norm_weight: torch.Tensor,  # [D]
+        k_norm_weight: torch.Tensor,  # [D]
+        cos_sin_cache: torch.Tensor,  # [max_position, D] fp32
+    ) -> torch.Tensor:  # [T, Hq * D]
+        ctx = get_context()
+        if self.k_cache.dim() != 4:
+            raise RuntimeError(
+                "Attention.k_cache / v_cache are not assigned: the model runner must give every "
+                "Attention layer its paged cache [num_blocks, block_size, num_kv_heads, head_dim] "
+                "before the first forward"
+            )
+        if ctx.slot_mapping is None:
+            raise RuntimeError("no attention Context is set: call qwen3_model.utils.context.set_context first")
+        q = qwen3_kernels.qk_norm_rope(
+            qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, self.k_cache, self.v_cache,
+            ctx.slot_mapping, self.num_heads, self.num_kv_heads, self.eps,
+        )  # [T, Hq, D]; K / V of every token are now in the cache
+        out = torch.empty_like(q)
+        n_pre = ctx.num_prefill_tokens
+        if n_pre > 0:
+            qwen3_kernels.paged_attention_prefill(
+                q[:n_pre], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.prefill_seq_lens_k,
+                ctx.prefill_block_tables, ctx.max_seqlen_q, self.scale, out=out[:n_pre],
+            )
+        if q.shape[0] > n_pre:
+            if ctx.decode_seq_lens is None:
+                raise RuntimeError(
+                    f"the step has {q.shape[0] - n_pre} tokens after the {n_pre} prefill tokens but the "
+                    "Context has no decode_seq_lens / decode_block_tables"
+                )
+            qwen3_kernels.paged_attention_decode(
+                q[n_pre:], self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
+                self.scale, out=out[n_pre:], workspace=ctx.decode_workspace,
+            )
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,26 @@
+"""RMSNorm through the qwen3_kernels ops; with a residual, the add and the norm are one fused op."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import qwen3_kernels
+from qwen3_model.layers.linear import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [T, H] -> rms_norm(x); with residual [T, H]: (rms_norm(x + residual), x + residual).
+
+        The residual form works in place: x and residual are overwritten and returned.
+        """
+        if residual is None:
+            return qwen3_kernels.rms_norm(x, self.weight, self.eps)
+        return qwen3_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

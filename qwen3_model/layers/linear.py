@@ -1,0 +1,172 @@
+"""Tensor-parallel linear layers, split the way vLLM splits them.
+
+Column-parallel layers (QKV, gate_up) keep a slice of the output features on each rank, so their
+outputs feed the next op without communication; row-parallel layers (o_proj, down_proj) keep a slice
+of the input features and all-reduce their partial sums. One all-reduce per attention block and one
+per MLP.
+
+Every parameter carries ``weight_loader(param, loaded[, shard_id])``: it receives the full tensor from
+the checkpoint, checks its shape (a ValueError saying what was expected) and copies this rank's slice.
+Parameters are created with ``torch.empty`` in the current default dtype and device; the loader fills
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
+
+
+def check_loaded_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Replicated parameters (norm weights): the whole tensor on every rank."""
+    check_loaded_shape(loaded, param.shape)
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """weight [out_local, in_local] (+ bias [out_local]); ``tp_dim`` is the dim split across ranks
+    (0: output features, 1: input features, None: replicated)."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_local] -> [T, out_local]
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_world_size()
+        super().__init__(input_size, divide(output_size, tp, "output features"), bias, tp_dim=0)
+        self.output_size = output_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        check_loaded_shape(loaded, (n * self.tp_size, *param.shape[1:]))
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one GEMM (gate_up_proj).
+
+    The local weight is [sum_i output_sizes[i] / tp, in]: each rank keeps its slice of every part,
+    concatenated in order, so ``silu_and_mul`` finds gate | up on every rank.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        tp = get_tp_world_size()
+        for i, size in enumerate(self.output_sizes):
+            divide(size, tp, f"output features of merged part {i}")
+        super().__init__(input_size, sum(self.output_sizes), bias)
+        self.shard_ids = tuple(range(len(self.output_sizes)))
+        self.weight.shard_ids = self.shard_ids
+        if self.bias is not None:
+            self.bias.shard_ids = self.shard_ids
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"shard id must be one of {self.shard_ids}, got {shard_id!r}")
+        full = self.output_sizes[shard_id]
+        check_loaded_shape(loaded, (full, *param.shape[1:]))
+        n = full // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q | k | v projection: local weight [(Hq_local + 2 * Hkv_local) * D, hidden].
+
+    Query heads split evenly across ranks. With fewer kv heads than ranks, each kv head is replicated
+    on tp / Hkv ranks (rank r holds kv head r // (tp / Hkv)), as vLLM does; otherwise kv heads split
+    evenly too.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False):
+        tp = get_tp_world_size()
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
+        if total_num_kv_heads >= tp:
+            self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
+            self.num_kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.num_kv_replicas = divide(tp, total_num_kv_heads, "tensor-parallel size over num_key_value_heads")
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, output_size, bias)
+        self.shard_ids = ("q", "k", "v")
+        self.weight.shard_ids = self.shard_ids
+        if self.bias is not None:
+            self.bias.shard_ids = self.shard_ids
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        d = self.head_dim
+        q_local, kv_local = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            full, n, offset, head0 = self.total_num_heads * d, q_local, 0, self.tp_rank * self.num_heads
+        elif shard_id in ("k", "v"):
+            full, n = self.total_num_kv_heads * d, kv_local
+            offset = q_local if shard_id == "k" else q_local + kv_local
+            head0 = (self.tp_rank // self.num_kv_replicas) * self.num_kv_heads
+        else:
+            raise ValueError(f"shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        check_loaded_shape(loaded, (full, *param.shape[1:]))
+        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, head0 * d, n))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial products are summed by an all-reduce.
+
+    x [T, in/tp] -> [T, out], identical on every rank. The bias is added once, after the reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp = get_tp_world_size()
+        super().__init__(divide(input_size, tp, "input features"), output_size, bias, tp_dim=1)
+        self.input_size = input_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: replicated
+            default_weight_loader(param, loaded)
+            return
+        n = param.shape[1]
+        check_loaded_shape(loaded, (param.shape[0], n * self.tp_size))
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

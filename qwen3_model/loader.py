@@ -1,0 +1,166 @@
+"""Hugging Face Qwen3 checkpoints: config.json validation and safetensors -> sharded parameters.
+
+    config = load_hf_config(path)       # transformers Qwen3Config, checked
+    model = Qwen3ForCausalLM(config)
+    load_model(model, path)             # every parameter filled, or a CheckpointError saying why
+
+Memory: tensors are read one at a time from each safetensors file (memory-mapped) and copied into
+this rank's slice by the parameter's own ``weight_loader``, so at most one full tensor is in flight
+beyond the model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some exporters write that carry nothing the model needs.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder this model cannot load; the message names the file or tensor."""
+
+
+def load_hf_config(path: str | os.PathLike):
+    """Read and check ``path/config.json``; returns a transformers ``Qwen3Config``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in {str(path)!r}: expected a Hugging Face checkpoint folder")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{config_file}: model_type is {model_type!r}, expected 'qwen3' (architectures: {archs}); "
+            "only dense Qwen3 checkpoints are supported"
+        )
+    if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise CheckpointError(
+            f"{config_file}: architectures is {archs}, expected {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    from transformers import Qwen3Config
+
+    return Qwen3Config.from_pretrained(str(path))
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The checkpoint's safetensors files: those named by the index if there is one, else all."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names files that are not in {str(path)!r}: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {others}: only safetensors is supported)" if others else ""
+        raise CheckpointError(f"no *.safetensors files in {str(path)!r}{hint}")
+    return files
+
+
+def _target(name: str, packed: dict) -> tuple[str, object]:
+    """Checkpoint tensor name -> (our parameter name, shard id or None), via packed_modules_mapping."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard_id = packed[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
+    return name, None
+
+
+def _checkpoint_names(param_name: str, shard_ids, packed: dict) -> list[str]:
+    """The checkpoint tensors a parameter (or its missing shards) is made of: for error messages."""
+    if not shard_ids:
+        return [param_name]
+    parts = param_name.split(".")
+    out = []
+    for src, (fused, sid) in packed.items():
+        if fused in parts and sid in shard_ids:
+            i = parts.index(fused)
+            out.append(".".join(parts[:i] + [src] + parts[i + 1 :]))
+    return out
+
+
+@torch.no_grad()
+def load_model(model: nn.Module, path: str | os.PathLike) -> None:
+    """Fill every parameter of ``model`` from the safetensors in ``path`` (this rank's slices).
+
+    Errors (CheckpointError, naming the tensor): a tensor the model has no place for, a tensor of the
+    wrong shape, a tensor found twice, a parameter the checkpoint does not provide.
+    With tied embeddings a stored ``lm_head.weight`` is skipped: the head reads the embedding.
+    """
+    from safetensors import safe_open
+
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    # parameter name -> shard ids still expected ({None} for a plain parameter)
+    pending = {n: set(getattr(p, "shard_ids", (None,))) for n, p in params.items()}
+    seen: dict[str, str] = {}
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} appears twice: in {seen[name]} and {file.name}")
+                seen[name] = file.name
+                pname, shard_id = _target(name, packed)
+                param = params.get(pname)
+                if param is None:
+                    raise CheckpointError(
+                        f"unexpected tensor {name!r} in {file.name}: the model has no parameter {pname!r} "
+                        "(is this a Qwen3 dense checkpoint matching config.json?)"
+                    )
+                loader = getattr(param, "weight_loader", None)
+                if shard_id is None and getattr(param, "shard_ids", None):
+                    raise CheckpointError(
+                        f"tensor {name!r} in {file.name}: {pname!r} is fused from "
+                        f"{_checkpoint_names(pname, set(param.shard_ids), packed)}; expected those tensors"
+                    )
+                tensor = f.get_tensor(name)
+                try:
+                    if shard_id is None:
+                        if loader is None:
+                            if tuple(tensor.shape) != tuple(param.shape):
+                                raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                            param.data.copy_(tensor)
+                        else:
+                            loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                except ValueError as e:
+                    raise CheckpointError(f"tensor {name!r} in {file.name}: {e}") from e
+                pending[pname].discard(shard_id)
+                del tensor
+
+    missing = [
+        ckpt
+        for pname, shards in pending.items()
+        if shards
+        for ckpt in _checkpoint_names(pname, shards - {None}, packed)
+    ]
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s): {shown}")

@@ -1,0 +1,147 @@
+"""Qwen3 dense models (0.6B ... 32B) over the qwen3_kernels ops, split for tensor parallelism.
+
+    model = Qwen3ForCausalLM(hf_config)          # params in the current default dtype / device
+    load_model(model, path)                      # qwen3_model.loader
+    hidden = model(input_ids, positions)         # [T] int64, [T] int64 -> [T, hidden]
+    logits = model.compute_logits(hidden[last])  # [N, hidden] -> [N, vocab] fp32 (rank 0)
+
+Parameter names follow the Hugging Face checkpoint, except the fused projections listed in
+``packed_modules_mapping`` (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qwen3_model.distributed import get_tp_world_size
+from qwen3_model.layers.activation import SiluAndMul
+from qwen3_model.layers.attention import Attention, qkv_projection
+from qwen3_model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from qwen3_model.layers.layernorm import RMSNorm
+from qwen3_model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from qwen3_model.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_qwen3_config(config) -> None:
+    """Reject what this model does not implement, with the field that says so."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Qwen3 model: hidden_act must be 'silu', got {act!r}")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("Qwen3 model: use_sliding_window=True is not supported (full attention only)")
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if kv < 1 or heads % kv:
+        raise ValueError(
+            f"Qwen3 model: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})"
+        )
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        eps = config.rms_norm_eps
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, bias
+        )
+        self.num_heads = self.qkv_proj.num_heads  # local
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # local
+        # q width = heads * head_dim, not hidden_size (they differ for 0.6B, 1.7B, 4B, 32B)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        qkv = qkv_projection(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        o = self.attn(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin_cache)
+        return self.o_proj(o)
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
+        self.down_proj = RowParallelLinear(i, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        """hidden [T, H]; residual [T, H] or None (first layer). Returns the pre-norm pair for the
+        next layer: the residual add is fused into the next norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # zero layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint module name -> (our fused module, shard id passed to its weight_loader)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config):
+        super().__init__()
+        check_qwen3_config(config)
+        self.config = config
+        self.tp_size = get_tp_world_size()
+        self.model = Qwen3Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            # One parameter, listed once (as model.embed_tokens.weight) in named_parameters().
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 (one step's flat tokens) -> hidden [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] fp32 on rank 0, None on other ranks."""
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One whole GPU round in one command: install (build the extension), GPU tests, benchmarks, a table.
+#
+#   bash scripts/gpu_round.sh                      # everything
+#   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
+#   TESTS=none BENCH=none bash scripts/gpu_round.sh  # build only
+#
+# On the lent H200 (no internet) the nvidia-cutlass wheel travels in .whl/ (see README). Logs and
+# the benchmark table go to $OUT (or ./out) so they come back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
+
+if ! python3 -c "import cutlass_library" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || exit 1
+fi
+start=$(date +%s)
+MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install --no-build-isolation --no-deps -e . \
+  >"$OUT/build.log" 2>&1
+rc=$?
+echo "build: rc=$rc in $(( $(date +%s) - start )) s"
+if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1; fi
+(cd /tmp && python3 -c "import torch, qwen3_kernels; assert qwen3_kernels.has_cuda_kernels(), qwen3_kernels.cuda_kernels_import_error(); print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)") || exit 1
+
+TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}
+if [ "$TESTS" != none ]; then
+  start=$(date +%s)
+  python3 -m pytest -q -x --timeout=600 -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+  echo "tests: $(tail -1 "$OUT/tests.log") in $(( $(date +%s) - start )) s"
+fi
+
+BENCH=${BENCH:-$(cd benchmarks && ls bench_*.py | grep -v bench_engine | tr '\n' ' ')}
+if [ "$BENCH" != none ]; then
+  rm -f "$OUT/bench.md"
+  (cd benchmarks && BENCH_RESULTS="$OUT/bench.md" python3 -m pytest -q -s -p no:cacheprovider \
+     --benchmark-disable $BENCH 2>&1) > "$OUT/bench.log"
+  grep -E "^\[bench\]|FAILED|Error" "$OUT/bench.log" | head -80
+  echo; echo "== benchmark table =="; cat "$OUT/bench.md" 2>/dev/null
+fi

@@ -1,0 +1,124 @@
+"""Engine settings: one validated dataclass, filled from ``LLM(model, **kwargs)``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the paged attention kernels support
+
+
+@dataclass(slots=True)
+class Config:
+    model: str  # a Hugging Face Qwen3 checkpoint folder
+    max_num_batched_tokens: int = 16384  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 512  # sequences running at once
+    max_model_len: int = 4096  # prompt + output, capped by the checkpoint's max_position_embeddings
+    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (KV cache = the rest)
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # True: no CUDA graphs
+    kvcache_block_size: int = 256  # tokens per KV block
+    num_kvcache_blocks: int = -1  # -1: sized from free GPU memory (CUDA) or cpu_kvcache_gib (CPU)
+    cpu_kvcache_gib: float = 1.0  # KV budget on CPU (capped at what max_num_seqs full sequences use)
+    enable_prefix_caching: bool = True
+    dtype: str | torch.dtype = "auto"  # auto: the checkpoint's bf16/fp16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    load_format: str = "auto"  # "dummy": random weights, config.json only (benchmarks)
+    seed: int = 0  # global RNG (unseeded sampling, dummy weights)
+    max_cudagraph_batch_size: int = 512  # decode batches up to this replay CUDA graphs
+    # filled in __post_init__
+    hf_config: object = field(default=None, repr=False)
+    torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
+    eos_token_ids: tuple[int, ...] = ()  # empty: from generation_config.json / config.json
+
+    def __post_init__(self):
+        def bad(name, expected):
+            raise ValueError(f"LLM: {name} must be {expected}, got {getattr(self, name)!r}")
+
+        def pos_int(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(name, "an integer >= 1")
+
+        if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
+            bad("model", "a checkpoint folder that exists")
+        self.model = os.fspath(self.model)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "tensor_parallel_size", "max_cudagraph_batch_size"):
+            pos_int(name)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization", "in (0, 1]")
+        if self.kvcache_block_size not in BLOCK_SIZES:
+            bad("kvcache_block_size", f"one of {BLOCK_SIZES}")
+        if not isinstance(self.num_kvcache_blocks, int) or not (
+            self.num_kvcache_blocks == -1 or self.num_kvcache_blocks >= 1
+        ):
+            bad("num_kvcache_blocks", "-1 (automatic) or an integer >= 1")
+        if not self.cpu_kvcache_gib > 0:
+            bad("cpu_kvcache_gib", "> 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"LLM: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}), or some decodes could never be scheduled"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            bad("load_format", "'auto' or 'dummy'")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cuda", "cpu"):
+            bad("device", "'auto', 'cuda' or 'cpu'")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("LLM: device='cuda' but torch sees no CUDA device")
+
+        from qwen3_model.loader import load_hf_config
+
+        self.hf_config = load_hf_config(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.torch_dtype = self._resolve_dtype()
+        if not self.eos_token_ids:
+            self.eos_token_ids = self._find_eos_ids()
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            dt = self.dtype
+        elif self.dtype == "auto":
+            if self.device == "cpu":
+                return torch.float32  # the CPU path runs the fp32 reference ops anyway
+            ckpt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            ckpt = _DTYPES.get(ckpt, ckpt) if isinstance(ckpt, str) else ckpt
+            return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+        elif isinstance(self.dtype, str) and self.dtype in _DTYPES:
+            dt = _DTYPES[self.dtype]
+        else:
+            raise ValueError(f"LLM: dtype must be 'auto', one of {sorted(_DTYPES)} or a torch "
+                             f"dtype, got {self.dtype!r}")
+        if dt not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"LLM: dtype must be bfloat16, float16 or float32, got {dt}")
+        return dt
+
+    def _find_eos_ids(self) -> tuple[int, ...]:
+        """EOS ids from generation_config.json (what HF generate uses), else config.json."""
+        ids = None
+        try:
+            from transformers import GenerationConfig
+
+            ids = GenerationConfig.from_pretrained(self.model).eos_token_id
+        except (OSError, ValueError):
+            pass
+        if ids is None:
+            ids = getattr(self.hf_config, "eos_token_id", None)
+        if ids is None:
+            return ()
+        return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+    @staticmethod
+    def field_names() -> list[str]:
+        return [f.name for f in fields(Config) if f.name not in ("hf_config", "torch_dtype")]

@@ -1,0 +1,296 @@
+"""The offline engine: validate requests, then schedule -> run -> postprocess until all are done.
+
+    engine = LLMEngine("/path/to/Qwen3-0.6B", max_model_len=2048)
+    outs = engine.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0))
+    for delta in engine.stream(prompts, params):   # tokens as they are produced
+        print(delta.index, delta.token_ids, delta.text, delta.finished)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence as Seq
+
+from qwen3_model.config import Config
+from qwen3_model.engine.model_runner import ModelRunner
+from qwen3_model.engine.scheduler import Scheduler
+from qwen3_model.engine.sequence import Sequence, SequenceStatus
+from qwen3_model.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request, in prompt order."""
+
+    index: int  # position in the prompt list
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids (an EOS / stop id that ended the request included)
+    text: str  # detokenized output ("" without a tokenizer); stop strings and stop ids excluded
+    finish_reason: str | None  # "stop" (EOS, stop id or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop id or stop string that matched (None for EOS)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to one request."""
+
+    index: int
+    token_ids: list[int]  # new ids this step
+    text: str  # new text this step (held back while it could still be part of a stop string)
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Detok:
+    """Incremental detokenization of one request's output, and stop-string matching."""
+
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # all text so far, cut before a stop string once one matched
+    emitted: int = 0  # chars already streamed
+    ids: list[int] = field(default_factory=list)  # ids fed to the detokenizer
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        known = set(Config.field_names()) - {"model"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"LLM: unknown argument(s) {unknown}; expected some of: {sorted(known)}")
+        config = Config(model, **kwargs)
+        if config.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                f"LLM: tensor_parallel_size={config.tensor_parallel_size} is not implemented yet "
+                "(one process per GPU comes in a later version); use tensor_parallel_size=1"
+            )
+        self.config = config
+        self.model_runner = ModelRunner(config, rank=0)
+        self.tokenizer = self._load_tokenizer(config.model)
+        self.scheduler = Scheduler(
+            num_blocks=self.model_runner.num_blocks,
+            block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+            eos_token_ids=config.eos_token_ids,
+        )
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no tokenizer files: token-id prompts only, text outputs are ""
+
+    # ---- validation ----------------------------------------------------------------------------
+
+    def _normalise(self, prompts, sampling_params):
+        """-> list of (prompt, SamplingParams); a single prompt may be given bare."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of strings or of token-id lists, got "
+                             f"{type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: "
+                                 "give one for all or one per prompt")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
+        return list(zip(prompts, params))
+
+    def validate_requests(self, prompts, sampling_params) -> list[tuple[list[int], SamplingParams]]:
+        """Check every request before any work; a ValueError names the first bad one by index."""
+        reqs = self._normalise(prompts, sampling_params)
+        vocab = self.config.hf_config.vocab_size
+        max_len = self.config.max_model_len
+        pool_tokens = self.scheduler.block_manager.num_blocks * self.config.kvcache_block_size
+        out = []
+        for i, (prompt, sp) in enumerate(reqs):
+            def bad(msg):
+                raise ValueError(f"request {i}: {msg}")
+
+            if not isinstance(sp, SamplingParams):
+                bad(f"sampling params must be a SamplingParams, got {type(sp).__name__}")
+            try:
+                sp.validate()
+            except ValueError as e:
+                bad(str(e))
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    bad(f"a text prompt needs a tokenizer, and {self.config.model!r} has none; "
+                        "pass token ids instead")
+                ids = list(self.tokenizer(prompt)["input_ids"])
+            elif isinstance(prompt, (list, tuple)):
+                ids = list(prompt)
+                for j, t in enumerate(ids):
+                    if not isinstance(t, int) or isinstance(t, bool):
+                        bad(f"token {j} is {t!r}; a prompt is a string or a list of int token ids")
+                    if not 0 <= t < vocab:
+                        bad(f"token id {t} at position {j} is outside the vocabulary [0, {vocab})")
+            else:
+                bad(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            if not ids:
+                bad("empty prompt")
+            if len(ids) >= max_len:
+                bad(f"prompt has {len(ids)} tokens; max_model_len={max_len} leaves no room to "
+                    f"generate (the prompt must be shorter than max_model_len)")
+            longest = min(len(ids) + sp.max_tokens, max_len)
+            if longest > pool_tokens:
+                bad(f"prompt ({len(ids)}) + max_tokens ({sp.max_tokens}) needs up to {longest} "
+                    f"tokens of KV cache, but the whole pool holds {pool_tokens}; lower max_tokens "
+                    "or give the KV cache more room")
+            out.append((ids, sp))
+        return out
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, index: int = 0) -> Sequence:
+        seq = Sequence(token_ids, params, index)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> tuple[list[Sequence], int, int]:
+        """One scheduled forward. -> (sequences that got a token, prefill tokens, decode tokens)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler made an empty step with requests pending")
+        tokens = self.model_runner.run(batch)
+        got = self.scheduler.postprocess(batch, tokens)
+        return got, batch.num_prefill_tokens, len(batch.decodes)
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def _detok_step(self, seq: Sequence, state: _Detok, want_text: bool) -> None:
+        """Feed ``seq``'s new tokens to its detokenizer; apply stop strings."""
+        p = seq.params
+        new_ids = seq.completion_token_ids[len(state.ids):]
+        if isinstance(seq.stop_reason, int) or (
+            seq.finish_reason == "stop" and seq.stop_reason is None and new_ids
+            and new_ids[-1] in self.config.eos_token_ids
+        ):
+            new_ids = new_ids[:-1]  # the stop id / EOS that ended it is not part of the text
+        state.ids.extend(new_ids)
+        if self.tokenizer is None or not (want_text or p.stop):
+            return
+        before = len(state.text)
+        state.text += self._decode_new(state)
+        if p.stop and seq.num_completion_tokens > p.min_tokens:
+            longest = max(len(s) for s in p.stop)
+            start = max(0, before - longest + 1)
+            hits = [(state.text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                cut, s = min(hits)
+                state.text = state.text[:cut]
+                if seq.status == SequenceStatus.FINISHED:  # it also hit a length limit this step
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                else:
+                    self.scheduler.finish(seq, "stop", s)
+
+    def _decode_new(self, state: _Detok) -> str:
+        """Text added by the ids past read_offset; empty while a multi-byte char is incomplete."""
+        tok = self.tokenizer
+        ids = state.ids
+        prefix = tok.decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=True)
+        full = tok.decode(ids[state.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+            return full[len(prefix) :]
+        return ""
+
+    def _stream(self, prompts, sampling_params, use_tqdm: bool, want_text: bool):
+        """Validate all, then run; yields (seq, state, new ids) for each sequence that got
+        tokens this step. The engine is left clean even if the caller stops early."""
+        requests = self.validate_requests(prompts, sampling_params)
+        if not self.is_finished():
+            raise RuntimeError("the engine is already running requests (one generate at a time)")
+        seqs = [self.add_request(ids, sp, i) for i, (ids, sp) in enumerate(requests)]
+        states = {s.seq_id: _Detok() for s in seqs}
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True)
+        last_shown, pre_tps, dec_tps = 0.0, 0.0, 0.0
+        try:
+            while not self.is_finished():
+                t0 = time.perf_counter()
+                got, n_prefill, n_decode = self.step()
+                dt = time.perf_counter() - t0
+                for seq in got:
+                    state = states[seq.seq_id]
+                    self._detok_step(seq, state, want_text)
+                    yield seq, state
+                if pbar is not None:
+                    # exponential moving averages of this step's prefill and decode rates
+                    if n_prefill:
+                        pre_tps = 0.7 * pre_tps + 0.3 * n_prefill / dt if pre_tps else n_prefill / dt
+                    if n_decode:
+                        dec_tps = 0.7 * dec_tps + 0.3 * n_decode / dt if dec_tps else n_decode / dt
+                    pbar.update(sum(1 for s in got if s.is_finished))
+                    if t0 - last_shown > 0.2:
+                        pbar.set_postfix_str(f"prefill {pre_tps:,.0f} tok/s, decode {dec_tps:,.0f} tok/s")
+                        last_shown = t0
+        finally:
+            self.scheduler.abort_all()  # no-op when everything finished
+            if pbar is not None:
+                pbar.close()
+
+    def stream(self, prompts, sampling_params=None, use_tqdm: bool = False) -> Iterator[StreamDelta]:
+        """Yield a StreamDelta per request per step that produced tokens, as they come."""
+        sent: dict[int, int] = {}
+        for seq, state in self._stream(prompts, sampling_params, use_tqdm, want_text=True):
+            done = seq.is_finished
+            k = sent.get(seq.seq_id, 0)
+            new_ids = seq.completion_token_ids[k:]
+            sent[seq.seq_id] = k + len(new_ids)
+            end = len(state.text)
+            if not done:
+                if seq.params.stop:  # could be the start of a stop string
+                    end -= max(len(s) for s in seq.params.stop) - 1
+                end = max(end, state.emitted)
+            text = state.text[state.emitted : end]
+            state.emitted = end
+            yield StreamDelta(seq.index, new_ids, text, done, seq.finish_reason if done else None)
+
+    def generate(
+        self,
+        prompts: Seq[str] | Seq[list[int]] | str | list[int],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order."""
+        finished: dict[int, RequestOutput] = {}
+        for seq, state in self._stream(prompts, sampling_params, use_tqdm, want_text=False):
+            if not seq.is_finished:
+                continue
+            if self.tokenizer is not None and not seq.params.stop:
+                text = self.tokenizer.decode(state.ids, skip_special_tokens=True)
+            else:
+                text = state.text
+            finished[seq.index] = RequestOutput(
+                index=seq.index,
+                prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                token_ids=seq.completion_token_ids,
+                text=text,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+        return [finished[i] for i in sorted(finished)]

@@ -1,0 +1,374 @@
+"""Runs the model for one scheduled step: builds the flat batch and its attention Context, owns the
+paged KV cache, replays CUDA graphs for decode-only steps, and samples.
+
+Step layout (``qwen3_model.utils.context``): the prefill chunks first, then one token per decoding
+sequence. Mixed and prefill steps run eagerly; a decode-only step on CUDA replays the graph
+captured for the smallest batch-size bucket that fits, with the unused rows padded (slot -1: no
+cache write; seq_len 1 over block 0: a harmless read whose result is dropped).
+
+Rank-aware for tensor parallelism: every rank runs the forward; rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import qwen3_kernels
+from qwen3_model.config import Config
+from qwen3_model.engine.scheduler import ScheduledBatch
+from qwen3_model.engine.sequence import Sequence
+from qwen3_model.layers.sampler import Sampler, SamplingBatch
+from qwen3_model.utils.context import Context, reset_context, set_context
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int = 0):
+        from qwen3_model.models.qwen3 import Qwen3ForCausalLM
+
+        self.config = config
+        hf = config.hf_config
+        self.rank = rank
+        self.world_size = config.tensor_parallel_size
+        self.block_size = config.kvcache_block_size
+        self.vocab_size = hf.vocab_size
+        self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+        self.use_cuda = self.device.type == "cuda"
+        self.enforce_eager = config.enforce_eager or not self.use_cuda
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_q_heads = hf.num_attention_heads // self.world_size  # this rank's
+        self.num_kv_heads = hf.num_key_value_heads // self.world_size
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        if self.use_cuda:
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        try:
+            with torch.device(self.device):
+                self.model = Qwen3ForCausalLM(hf)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            self._init_dummy_weights()
+        else:
+            from qwen3_model.loader import load_model
+
+            load_model(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.attn_modules = [m for m in self.model.modules()
+                             if hasattr(m, "k_cache") and hasattr(m, "v_cache")]
+        if not self.attn_modules:
+            raise RuntimeError("the model has no modules with k_cache / v_cache to give a KV cache")
+        # the split-KV scratch of decode attention, sliced per step (no allocation in the graphs)
+        self.workspace = (
+            qwen3_kernels.decode_workspace(config.max_num_seqs, self.num_q_heads, self.head_dim,
+                                           self.device)
+            if self.use_cuda else None
+        )
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = self.allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_batch_sizes: list[int] = []
+        self.last_step_used_graph = False
+        if not self.enforce_eager:
+            self.capture_cudagraph()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _init_dummy_weights(self) -> None:
+        """Random weights (load_format='dummy'): benchmarks at real shapes without a checkpoint."""
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        for name, p in self.model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+    # ---- KV cache ------------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        return (2 * len(self.attn_modules) * self.block_size * self.num_kv_heads * self.head_dim
+                * itemsize)
+
+    def _set_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = None  # drop the old one before allocating the new
+        for m in self.attn_modules:
+            m.k_cache = m.v_cache = torch.tensor([])
+        # One tensor for all layers: a single allocation, sliced (views) per layer.
+        self.kv_cache = torch.zeros(
+            2, len(self.attn_modules), num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.config.torch_dtype, device=self.device,
+        )
+        for i, m in enumerate(self.attn_modules):
+            m.k_cache = self.kv_cache[0, i]
+            m.v_cache = self.kv_cache[1, i]
+
+    def allocate_kv_cache(self) -> int:
+        cfg = self.config
+        if cfg.num_kvcache_blocks > 0:
+            num_blocks = cfg.num_kvcache_blocks
+        elif self.use_cuda:
+            num_blocks = self._blocks_from_free_memory()
+        else:
+            useful = cfg.max_num_seqs * self.max_blocks_per_seq  # more could never be used
+            num_blocks = min(int(cfg.cpu_kvcache_gib * 2**30) // self.block_bytes(), useful)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache: one block needs {self.block_bytes() / 2**20:.1f} MiB; "
+                "raise gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, or set "
+                "num_kvcache_blocks"
+            )
+        self._set_kv_cache(num_blocks)
+        return num_blocks
+
+    def _blocks_from_free_memory(self) -> int:
+        """KV blocks that fit in gpu_memory_utilization of the GPU, after the peak of a warm-up
+        step as large as the scheduler can make (activations, logits and sampling)."""
+        self._set_kv_cache(1)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.warmup_model()
+        self._set_kv_cache(1)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        activation_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        return int(budget) // self.block_bytes()
+
+    @torch.inference_mode()
+    def warmup_model(self) -> None:
+        """One step of max_num_batched_tokens prefill tokens plus sampling of max_num_seqs rows.
+
+        Runs against a one-block cache: every slot is -1 (nothing written) and every block table
+        entry is 0, so the step reads valid (meaningless) memory; only its memory peak matters.
+        """
+        cfg = self.config
+        total = cfg.max_num_batched_tokens
+        seq_len = min(cfg.max_model_len, total)
+        lens = [seq_len] * (total // seq_len) + ([total % seq_len] if total % seq_len else [])
+        lens = lens[: cfg.max_num_seqs]
+        num_tokens = sum(lens)
+        dev = self.device
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        ctx = Context(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int32, device=dev),
+            num_prefill_tokens=num_tokens,
+            cu_seqlens_q=cu.to(dev),
+            max_seqlen_q=max(lens),
+            prefill_seq_lens_k=torch.tensor(lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=torch.zeros(len(lens), self.max_blocks_per_seq, dtype=torch.int32,
+                                             device=dev),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        set_context(ctx)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        if logits is not None:
+            from qwen3_model.sampling_params import SamplingParams
+
+            worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
+            batch = SamplingBatch.build([worst] * rows, [0] * rows, [[]] * rows, self.vocab_size, dev)
+            self.sampler(logits, batch)
+        del hidden, logits
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
+        return t.to(self.device, non_blocking=True)
+
+    def _slots(self, seq: Sequence, start: int, end: int, out: list[int]) -> None:
+        """Append the cache slots of positions [start, end) of ``seq`` to ``out``."""
+        bs = self.block_size
+        table = seq.block_table
+        pos = start
+        while pos < end:
+            block, off = divmod(pos, bs)
+            stop = min(end, (block + 1) * bs)
+            base = table[block] * bs - block * bs
+            out.extend(range(base + pos, base + stop))
+            pos = stop
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        # padding 0 (a valid block) rather than -1: entries past a sequence's length are never
+        # read, but a valid index keeps a stray read in bounds
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return self._to_device(rows, torch.int32)
+
+    def prepare_step(self, batch: ScheduledBatch):
+        """-> input_ids [T] int64, positions [T] int64, Context, sample_rows (hidden rows whose
+        logits are sampled, batch order) and the sequences they belong to."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        ctx = Context()
+        if batch.prefills:
+            cu_q, lens_k = [0], []
+            for seq, n in batch.prefills:
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                self._slots(seq, start, end, slots)
+                cu_q.append(cu_q[-1] + n)
+                lens_k.append(end)
+                if end == seq.num_tokens:
+                    sample_rows.append(cu_q[-1] - 1)
+                    sample_seqs.append(seq)
+            ctx.num_prefill_tokens = cu_q[-1]
+            ctx.cu_seqlens_q = self._to_device(cu_q, torch.int32)
+            ctx.max_seqlen_q = max(n for _, n in batch.prefills)
+            ctx.prefill_seq_lens_k = self._to_device(lens_k, torch.int32)
+            ctx.prefill_block_tables = self._block_tables([s for s, _ in batch.prefills])
+        if batch.decodes:
+            lens = []
+            for i, seq in enumerate(batch.decodes):
+                pos = seq.num_computed_tokens
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slots.append(seq.block_table[pos // self.block_size] * self.block_size
+                             + pos % self.block_size)
+                lens.append(pos + 1)
+                if pos + 1 == seq.num_tokens:
+                    sample_rows.append(ctx.num_prefill_tokens + i)
+                    sample_seqs.append(seq)
+            ctx.decode_seq_lens = self._to_device(lens, torch.int32)
+            ctx.decode_block_tables = self._block_tables(batch.decodes)
+            if self.workspace is not None:
+                ctx.decode_workspace = self.workspace[: len(batch.decodes)]
+        ctx.slot_mapping = self._to_device(slots, torch.int32)
+        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+                ctx, sample_rows, sample_seqs)
+
+    def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
+        if not self.graphs or batch.prefills:
+            return None
+        n = len(batch.decodes)
+        return next((b for b in self.graph_batch_sizes if b >= n), None)
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context,
+                  bucket: int | None) -> torch.Tensor:
+        """-> hidden [T, hidden] (a view of the graph's output buffer when replayed)."""
+        if bucket is None:
+            set_context(ctx)
+            try:
+                return self.model(input_ids, positions)
+            finally:
+                reset_context()
+        n = input_ids.shape[0]
+        g = self.graph_vars
+        g["input_ids"][:n].copy_(input_ids, non_blocking=True)
+        g["positions"][:n].copy_(positions, non_blocking=True)
+        g["slot_mapping"][:n].copy_(ctx.slot_mapping, non_blocking=True)
+        g["slot_mapping"][n:bucket].fill_(-1)
+        g["seq_lens"][:n].copy_(ctx.decode_seq_lens, non_blocking=True)
+        g["seq_lens"][n:bucket].fill_(1)
+        tables = ctx.decode_block_tables
+        g["block_tables"][:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.graphs[bucket].replay()
+        return g["outputs"][:n]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; returns the sampled token of each sequence whose chunk reached its last
+        token, in batch order (what ``Scheduler.postprocess`` expects). Empty on ranks > 0."""
+        input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare_step(batch)
+        bucket = self._graph_bucket(batch)
+        self.last_step_used_graph = bucket is not None
+        hidden = self.run_model(input_ids, positions, ctx, bucket)
+        if not sample_rows:
+            return []
+        if len(sample_rows) == hidden.shape[0]:
+            last = hidden  # every token is sampled (decode-only steps): no gather
+        else:
+            last = hidden[self._to_device(sample_rows, torch.int64)]
+        logits = self.model.compute_logits(last)
+        if self.rank != 0 or logits is None:
+            return []
+        sampling = SamplingBatch.build(
+            [s.params for s in sample_seqs],
+            [s.num_completion_tokens for s in sample_seqs],
+            [self._banned_ids(s) for s in sample_seqs],
+            self.vocab_size,
+            self.device,
+        )
+        return self.sampler(logits, sampling).tolist()  # the step's one host sync
+
+    def _banned_ids(self, seq: Sequence) -> list[int]:
+        """Ids that may not be sampled yet: EOS and stop ids before min_tokens."""
+        p = seq.params
+        if seq.num_completion_tokens >= p.min_tokens:
+            return []
+        ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids.update(self.config.eos_token_ids)
+        return sorted(i for i in ids if 0 <= i < self.vocab_size)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> None:
+        """One graph per decode batch-size bucket, largest first, all in one memory pool.
+
+        The graphs read static buffers (graph_vars); a replay copies the step's inputs into their
+        first rows. The Context captured points at slices of the same buffers.
+        """
+        cfg = self.config
+        max_bs = min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size)
+        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+        self.graph_batch_sizes = sorted(set(sizes))
+        dev = self.device
+        hidden_size = cfg.hf_config.hidden_size
+        g = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            outputs=torch.zeros(max_bs, hidden_size, dtype=cfg.torch_dtype, device=dev),
+        )
+        self.graph_vars = g
+        pool = None
+        start = time.perf_counter()
+        for bs in reversed(self.graph_batch_sizes):
+            ctx = Context(
+                slot_mapping=g["slot_mapping"][:bs],
+                decode_seq_lens=g["seq_lens"][:bs],
+                decode_block_tables=g["block_tables"][:bs],
+                decode_workspace=self.workspace[:bs],
+            )
+            set_context(ctx)
+            try:
+                # warm-up outside the graph (lazy inits, autotuning), then capture
+                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
+            finally:
+                reset_context()
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+        self.graph_pool = pool
+        self.capture_seconds = time.perf_counter() - start

@@ -1,0 +1,209 @@
+"""Continuous batching with chunked prefill, under a per-step token budget.
+
+Each step the scheduler walks the running sequences oldest first: a decoding sequence gets its one
+token, a prefilling one its next chunk (as much as the budget still allows). What budget is left
+then admits waiting sequences, oldest first. So decodes and prefill chunks share one step, a long
+prompt never stalls the decodes, and no step exceeds ``max_num_batched_tokens``.
+
+A sequence is admitted only when blocks for all its tokens can be had (after prefix-cache hits).
+When a running sequence needs one more block and none is free, the newest running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+later (its full blocks usually survive in the prefix cache, so that is often cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from qwen3_model.engine.block_manager import BlockManager
+from qwen3_model.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. The flat token batch is the prefill chunks (in order), then the decodes.
+
+    A sequence with exactly one token to compute this step goes in ``decodes`` whether or not it
+    is past its prompt: attention is the same (one query over the whole cached context).
+    """
+
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
+    decodes: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + len(self.decodes)
+
+    def items(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens computed this step), in batch order."""
+        return self.prefills + [(s, 1) for s in self.decodes]
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+    ):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # Admission keeps ~1% of the pool free so that running decodes can grow a block without
+        # immediately preempting the sequence just admitted (vLLM's watermark).
+        self.reserve_blocks = num_blocks // 100
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # counters, for tests and logs
+        self.num_preemptions = 0
+        self.num_partial_prefills = 0  # chunks that stopped short of the end of the prompt
+        self.num_prefix_hit_tokens = 0
+        self.num_steps = 0
+
+    # ---- queue ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished sequence and free its blocks (after an error or an interrupt)."""
+        dropped = list(self.running) + list(self.waiting)
+        for seq in self.running:
+            self.block_manager.free_seq(seq)
+        for seq in dropped:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            need_tokens = seq.num_computed_tokens + n
+            # Victims come from the back, which this loop has not reached yet (or is ``seq``).
+            while not bm.can_grow(seq, need_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            bm.grow(seq, need_tokens)
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+
+        # Admitting right after a preemption would just take back the blocks we freed.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit_ids, hit_hashes = bm.match_prefix(seq)
+            reserve = self.reserve_blocks if self.running else 0
+            if not bm.can_admit(seq, hit_ids, reserve):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, hit_ids, hit_hashes)
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            scheduled.append((seq, n))
+            budget -= n
+
+        batch = ScheduledBatch()
+        for seq, n in scheduled:
+            if n == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                self.num_partial_prefills += 1
+        if batch:
+            self.num_steps += 1
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- after the forward ---------------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance the computed counts, append the sampled tokens, finish what must finish.
+
+        ``sampled`` holds one token per sequence whose chunk reached its last token, in batch
+        order (exactly the rows the runner sampled). Returns the sequences that got a token.
+        """
+        bm = self.block_manager
+        got_token = []
+        it = iter(sampled)
+        for seq, n in batch.items():
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk short of the end: nothing to sample yet
+            token = next(it)
+            seq.append_token(token)
+            got_token.append(seq)
+            reason, stop_reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+        assert next(it, None) is None, "more sampled tokens than sequences that needed one"
+        return got_token
+
+    def _finish_reason(self, seq: Sequence, token: int):
+        p = seq.params
+        # the token just appended was sampled with num_completion_tokens - 1 tokens before it;
+        # EOS and stop ids count only once min_tokens tokens came before
+        past_min = seq.num_completion_tokens > p.min_tokens
+        if past_min and token in p.stop_token_ids:
+            return "stop", token
+        if past_min and not p.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """End ``seq`` (also used by the engine when a stop string appears)."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.free_seq(seq)

@@ -1,0 +1,155 @@
+"""Batched token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Everything is tensor work over the whole batch; the only host sync is the caller reading the
+sampled ids once per step. Which filters run is decided on the host from the requests' settings
+(``SamplingBatch`` flags), so a batch that needs no top-k / top-p pays for no sort.
+
+Sampling is an exponential race: token = argmax(p_i / E_i) with E_i ~ Exp(1) independent, which
+picks token i with probability p_i / sum(p) and needs no normalisation, no cumsum and no
+``multinomial`` (which syncs). For a request with a seed, E_i comes from a counter-based hash of
+(seed, output position, token id) computed on the device: the same seed gives the same tokens
+whatever else is in the batch, and after a preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qwen3_model.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (split c in halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [R, V] fp32, a pure function of keys [R, 3] int64 (seed lo, seed hi, counter)."""
+    seed_lo, seed_hi, counter = keys[:, 0:1], keys[:, 1:2], keys[:, 2:3]
+    row = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(_mul32(counter, 0x9E3779B1) ^ 0x68E31DA4)))
+    col = _mix32(_mul32(torch.arange(vocab_size, device=keys.device), 0x27D4EB2F) ^ 0x165667B1)
+    h = _mix32(_mix32(row ^ col) ^ (row >> 7))
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
+    return -torch.log(u)
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling settings of the rows of one step's logits, as device tensors plus host flags."""
+
+    temperatures: torch.Tensor | None  # [N] fp32, greedy rows set to 1 (unused there)
+    greedy_mask: torch.Tensor | None  # [N] bool, None when no row is greedy
+    top_k: torch.Tensor | None  # [N] int64 in [1, V], None when no row filters by k
+    top_p: torch.Tensor | None  # [N] fp32, None when no row filters by p
+    min_p: torch.Tensor | None  # [N] fp32, None when no row filters by min-p
+    seeded_rows: torch.Tensor | None  # [R] int64 rows that have a seed
+    seed_keys: torch.Tensor | None  # [R, 3] int64: seed lo 32 bits, seed hi 32 bits, output position
+    banned_rows: torch.Tensor | None  # [K] int64, with banned_ids: logits set to -inf
+    banned_ids: torch.Tensor | None  # [K] int64
+    all_greedy: bool = False
+
+    @staticmethod
+    def build(
+        params: list[SamplingParams],
+        positions: list[int],
+        banned: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> "SamplingBatch":
+        """params / positions (output index of the token to sample) / banned ids, one per row."""
+        pin = torch.device(device).type == "cuda"
+
+        def to_dev(data, dtype):
+            t = torch.tensor(data, dtype=dtype, pin_memory=pin)
+            return t.to(device, non_blocking=True)
+
+        greedy = [p.temperature == 0 for p in params]
+        all_greedy = all(greedy)
+        rows = [r for r, b in enumerate(banned) for _ in b]
+        ids = [i for b in banned for i in b]
+        banned_rows = to_dev(rows, torch.int64) if rows else None
+        banned_ids = to_dev(ids, torch.int64) if ids else None
+        if all_greedy:
+            return SamplingBatch(None, None, None, None, None, None, None,
+                                 banned_rows, banned_ids, all_greedy=True)
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        top_k = top_p = min_p = None
+        if any(p.top_k != -1 and p.top_k < vocab_size for p in sampled):
+            top_k = to_dev([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+                            for p in params], torch.int64)
+        if any(p.top_p < 1 for p in sampled):
+            top_p = to_dev([p.top_p for p in params], torch.float32)
+        if any(p.min_p > 0 for p in sampled):
+            min_p = to_dev([p.min_p for p in params], torch.float32)
+        seeded = [r for r, p in enumerate(params) if p.seed is not None and not greedy[r]]
+        seeded_rows = seed_keys = None
+        if seeded:
+            seeded_rows = to_dev(seeded, torch.int64)
+            keys = []
+            for r in seeded:
+                s = params[r].seed & 0xFFFFFFFFFFFFFFFF  # negative seeds too
+                keys.append([s & _M32, s >> 32, positions[r] & _M32])
+            seed_keys = to_dev(keys, torch.int64)
+        return SamplingBatch(
+            temperatures=to_dev([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                torch.float32),
+            greedy_mask=to_dev(greedy, torch.bool) if any(greedy) else None,
+            top_k=top_k, top_p=top_p, min_p=min_p,
+            seeded_rows=seeded_rows, seed_keys=seed_keys,
+            banned_rows=banned_rows, banned_ids=banned_ids,
+        )
+
+
+class Sampler(nn.Module):
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [N, V] -> token ids [N] int64."""
+        logits = logits.float()
+        if batch.banned_rows is not None:
+            logits = logits.index_put((batch.banned_rows, batch.banned_ids),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        x = logits / batch.temperatures.unsqueeze(1)
+        if batch.top_k is not None or batch.top_p is not None:
+            x = self._top_k_top_p(x, batch.top_k, batch.top_p)
+        probs = torch.softmax(x, dim=-1)
+        if batch.min_p is not None:
+            floor = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        if batch.seeded_rows is not None:
+            noise[batch.seeded_rows] = seeded_exponential(batch.seed_keys, probs.shape[1])
+        tokens = (probs / noise).argmax(dim=-1)
+        if batch.greedy_mask is not None:
+            tokens = torch.where(batch.greedy_mask, logits.argmax(dim=-1), tokens)
+        return tokens
+
+    @staticmethod
+    def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):
+        """Set the logits outside each row's top-k and top-p set to -inf. x [N, V] fp32."""
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        if top_k is not None:
+            rank = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            sorted_x = sorted_x.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+        if top_p is not None:
+            p = torch.softmax(sorted_x, dim=-1)
+            before = torch.cumsum(p, dim=-1) - p  # probability of the strictly more likely tokens
+            # the most likely token always stays (before == 0 < top_p)
+            sorted_x = sorted_x.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+        return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)

@@ -1,0 +1,104 @@
+"""Per-request sampling settings, vLLM's names and defaults.
+
+    SamplingParams(temperature=0.0, max_tokens=64)                 # greedy
+    SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
+
+Every field is checked when the object is built (and again by ``LLM.generate``, in case a field was
+changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(slots=True, init=False)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_k: int = -1  # keep the k most likely tokens; -1 = all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; in (0, 1]
+    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; in [0, 1]
+    seed: int | None = None  # per request: the same seed gives the same tokens, whatever the batch
+    max_tokens: int = 16  # new tokens at most
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens exist
+    ignore_eos: bool = False  # keep going past EOS (stop_token_ids and stop still apply)
+    stop: list[str] = field(default_factory=list)  # strings that end the output (not included)
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that end the output
+
+    # Keyword-only and explicit, so an unknown keyword is a ValueError (as the API promises)
+    # rather than the TypeError a generated dataclass __init__ would raise.
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        top_k: int = -1,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        **unknown,
+    ):
+        if unknown:
+            known = ", ".join(f.name for f in fields(SamplingParams))
+            raise ValueError(
+                f"SamplingParams: unknown argument(s) {sorted(unknown)}; expected some of: {known}"
+            )
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.min_p = min_p
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.ignore_eos = ignore_eos
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.__post_init__()
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field. Also called by LLM.generate."""
+
+        def bad(name, expected):
+            raise ValueError(
+                f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}"
+            )
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_num(self.temperature) or not self.temperature >= 0:
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            bad("top_k", "-1 (all tokens) or an integer >= 1")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "None or an integer")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an integer >= 1")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "a bool")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -27,27 +27,28 @@ def make_case(t, hq, hkv, block_size=16, dtype=torch.bfloat16, device="cpu", d=1
     qkv_row_pad > 0); caches [num_blocks, block_size, hkv, d] filled with NaN (poison) and holding
     ~25% more slots than tokens; slot_mapping a shuffled subset of them with ~pad_frac of -1.
     """
-    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
     width = (hq + 2 * hkv) * d
-    buf = torch.randn(t, width + qkv_row_pad, generator=g) * 2.0
+    buf = torch.randn(t, width + qkv_row_pad, generator=g, device=dev) * 2.0
     # Per-head scales: the norm must not depend on inputs already being unit-sized.
-    scale = torch.rand(hq + 2 * hkv, generator=g).repeat_interleave(d) * 4 + 0.1
+    scale = torch.rand(hq + 2 * hkv, generator=g, device=dev).repeat_interleave(d) * 4 + 0.1
     buf[:, :width] *= scale
-    qkv = buf.to(dtype).to(device)[:, :width]
-    q_w = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype).to(device)
-    k_w = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype).to(device)
+    qkv = buf.to(dtype)[:, :width]
+    q_w = (1 + 0.5 * torch.randn(d, generator=g, device=dev)).to(dtype)
+    k_w = (1 + 0.5 * torch.randn(d, generator=g, device=dev)).to(dtype)
     if cos_sin is None:
-        cos_sin = ref.rope_cos_sin_cache(d, max_position, ROPE_THETA).to(device)
-    positions = torch.randint(0, cos_sin.shape[0], (t,), generator=g)
+        cos_sin = ref.rope_cos_sin_cache(d, max_position, ROPE_THETA, device=dev)
+    positions = torch.randint(0, cos_sin.shape[0], (t,), generator=g, device=dev)
     positions[: min(t, 2)] = cos_sin.shape[0] - 1  # the last row: catches an off-by-one table
     num_blocks = max(1, -(-(t + t // 4 + 1) // block_size))
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
-    slots[torch.rand(t, generator=g) < pad_frac] = -1
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=g, device=dev)[:t].to(torch.int32)
+    slots[torch.rand(t, generator=g, device=dev) < pad_frac] = -1
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device=dev)
     return dict(
         qkv=qkv, q_norm_weight=q_w, k_norm_weight=k_w, cos_sin_cache=cos_sin,
-        positions=positions.to(device), k_cache=k_cache, v_cache=k_cache.clone(),
-        slot_mapping=slots.to(device), num_q_heads=hq, num_kv_heads=hkv, eps=EPS,
+        positions=positions, k_cache=k_cache, v_cache=k_cache.clone(), slot_mapping=slots,
+        num_q_heads=hq, num_kv_heads=hkv, eps=EPS,
     )
 
 

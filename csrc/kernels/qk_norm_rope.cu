@@ -59,11 +59,13 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
     T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
-    int64_t num_items,                         // num_tokens * (Hq + 2*Hkv)
+    uint32_t num_items,                        // num_tokens * (Hq + 2*Hkv), < 2^31
     int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
-  const int num_heads = num_q_heads + 2 * num_kv_heads;
+  const uint32_t num_heads = num_q_heads + 2 * num_kv_heads;
   const int lane = threadIdx.x % kLanesPerItem;
-  const int64_t group = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kLanesPerItem;
+  // 32-bit item indices (the launcher keeps num_items < 2^31): the token / head split below is a
+  // 32-bit division, several times cheaper than a 64-bit one.
+  const uint32_t group = blockIdx.x * (kThreads / kLanesPerItem) + threadIdx.x / kLanesPerItem;
 
   // Phase 1: issue every global load of this thread's items before any math.
   Vec8<T> lo[ITEMS], hi[ITEMS];
@@ -74,10 +76,11 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) {
     // Consecutive groups take consecutive items, so a warp reads 4 * ITEMS adjacent heads.
-    const int64_t item = group * ITEMS + r;
+    const uint32_t item = group * ITEMS + r;
     valid[r] = item < num_items;
-    token[r] = valid[r] ? item / num_heads : 0;
-    head[r] = valid[r] ? static_cast<int>(item - token[r] * num_heads) : 0;
+    const uint32_t tok = item / num_heads;
+    token[r] = valid[r] ? tok : 0;
+    head[r] = valid[r] ? static_cast<int>(item - tok * num_heads) : 0;
     if (valid[r]) {
       const T* src = qkv + token[r] * qkv_stride + head[r] * kHeadDim + lane * kVec;
       lo[r] = load_vec8(src);
@@ -162,12 +165,11 @@ cudaError_t launch(void* q_out, const void* qkv, const void* q_norm_weight,
                    cudaStream_t stream) {
   constexpr int64_t items_per_block = kThreads / kLanesPerItem * ITEMS;
   const int64_t blocks = (num_items + items_per_block - 1) / items_per_block;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   qk_norm_rope_kernel<T, ITEMS><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<T*>(q_out), static_cast<const T*>(qkv), static_cast<const T*>(q_norm_weight),
       static_cast<const T*>(k_norm_weight), cos_sin_cache, positions, static_cast<T*>(k_cache),
-      static_cast<T*>(v_cache), slot_mapping, num_items, qkv_stride, num_q_heads, num_kv_heads,
-      eps);
+      static_cast<T*>(v_cache), slot_mapping, static_cast<uint32_t>(num_items), qkv_stride,
+      num_q_heads, num_kv_heads, eps);
   return cudaGetLastError();
 }
 
@@ -192,6 +194,7 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   if (num_tokens == 0) return cudaSuccess;
 
   const int64_t num_items = num_tokens * (num_q_heads + 2 * num_kv_heads);
+  if (num_items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // ~26M tokens at 80 heads
   // Two items per thread doubles the bytes in flight for large batches; small batches keep one so
   // the few items spread over more SMs (latency, not bandwidth, is what counts there).
   const bool many = num_items >= (int64_t{1} << 16);

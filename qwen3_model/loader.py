@@ -54,7 +54,10 @@ def load_hf_config(path: str | os.PathLike):
         )
     from transformers import Qwen3Config
 
-    return Qwen3Config.from_pretrained(str(path))
+    try:
+        return Qwen3Config.from_pretrained(str(path))
+    except Exception as e:  # transformers validates field values (e.g. layer_types vs layers)
+        raise CheckpointError(f"{config_file}: transformers rejects this Qwen3 config: {e}") from e
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:

@@ -1,0 +1,447 @@
+// paged_attention_prefill: varlen causal GQA attention of new query tokens over keys read from
+// the paged KV cache, FlashAttention-2 style on mma.sync tensor cores (sm_80 and sm_90a).
+//
+// Work split. One CTA owns BLOCK_M = 128 "packed rows" of one (sequence, kv head): packed row
+// p = token * group + h is query token `token` of the sequence and q head kv_head * group + h.
+// Packing the q heads of a KV group into the M tile means every K/V tile read from the cache
+// serves all of them, which is what keeps short chunks (a few tokens over a long cached
+// prefix) from wasting most of a 128-row tile. The q heads of one token are adjacent in
+// q [Tq, Hq, D], so a packed row is still one contiguous 256-byte load.
+//
+// Causality. Query token t of a sequence with Lq queries and Lk keys sits at absolute position
+// Lk - Lq + t and sees keys 0 ..= Lk - Lq + t (prefix-cache hits and chunked prefill). Key tiles
+// are visited in increasing order, so key 0, which every query sees, comes first and the
+// running max is finite from the first tile on; only the last tiles straddle the diagonal and
+// pay for the mask.
+//
+// Pipeline. 8 warps, each owns 16 packed rows and keeps its Q fragments in registers. K and V
+// tiles of BLOCK_N = 64 keys are double-buffered in shared memory and filled by 16-byte cp.async
+// whose source row is looked up through the block table (a tile may span several cache blocks,
+// so every row computes its own address). K(n+1) streams in while S = Q K(n)^T and the softmax
+// run; V(n+1) while O += P V(n) runs. Shared-memory rows are 256 bytes with the 16-byte chunk
+// index XOR-swizzled by (row & 7), so ldmatrix of 8 rows at one logical chunk hits 8 distinct
+// bank groups.
+//
+// Numerics: fp32 scores and accumulators; softmax in base 2 with scale * log2(e) folded into
+// one FMA; P rounded to the input dtype for the P V product (as FlashAttention does); the output
+// normalised in fp32 and written with 16-byte stores through shared memory.
+#include <cfloat>
+
+#include "qwen3_kernels/common.cuh"
+
+namespace qwen3_kernels {
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int kBlockM = 128;                       // packed (token, q head) rows per CTA
+constexpr int kBlockN = 64;                        // keys per K/V tile
+constexpr int kWarps = kBlockM / 16;               // one m16 MMA row block per warp
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowBytes = kHeadDim * 2;            // one 16-bit head row: 16 chunks of 16 bytes
+constexpr int kQBytes = kBlockM * kRowBytes;       // 32 KiB, reused to stage the output
+constexpr int kTileBytes = kBlockN * kRowBytes;    // 16 KiB per K or V tile
+constexpr int kSmemBytes = kQBytes + 4 * kTileBytes;  // Q + 2 K + 2 V stages = 96 KiB
+constexpr int kLoadRowsPerPass = kThreads / 16;    // 16 threads load one 256-byte row
+
+struct PrefillParams {
+  void* out;                    // [Tq, Hq, D]
+  const void* q;                // [Tq, Hq, D]
+  const void* k_cache;          // [num_blocks, block_size, Hkv, D]
+  const void* v_cache;          // [num_blocks, block_size, Hkv, D]
+  const int32_t* cu_seqlens_q;  // [B + 1]
+  const int32_t* seq_lens_k;    // [B]
+  const int32_t* block_tables;  // [B, max_blocks]
+  int num_q_heads;
+  int num_kv_heads;
+  int group;                    // num_q_heads / num_kv_heads
+  int block_size_log2;          // block_size is a power of two (16..256)
+  int max_blocks;
+  float scale_log2;             // softmax scale * log2(e): scores go straight into exp2
+};
+
+// ---- PTX wrappers -----------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows, 256 B] tile.
+__device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// 16-byte global -> shared copy; when !valid the destination is zero-filled and nothing is read,
+// so rows past the end of a sequence are finite zeros (P = 0 times garbage V could be NaN).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d[16x8] += a[16x16] * b[16x8], fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats -> two 16-bit values in one register (lo in the low half, as the MMA expects).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- the kernel -----------------------------------------------------------------------------
+
+// grid (Hkv, ceil(max_seqlen_q * group / BLOCK_M), B). The M tiles run in reverse order so the
+// longest causal rows (last tiles) start first and the short ones fill the tail.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int kv_head = blockIdx.x;
+  const int m_block = gridDim.y - 1 - blockIdx.y;
+  const int seq = blockIdx.z;
+  const int q_start = p.cu_seqlens_q[seq];
+  const int lq = p.cu_seqlens_q[seq + 1] - q_start;
+  const int group = p.group;
+  const int rows = lq * group;  // packed rows of this (sequence, kv head)
+  const int row0 = m_block * kBlockM;
+  if (row0 >= rows) return;  // a shorter sequence than max_seqlen_q
+
+  // Clamping to the block table keeps a bad seq_lens_k from reading past it.
+  const int lk = min(p.seq_lens_k[seq], p.max_blocks << p.block_size_log2);
+  const int shift = lk - lq;  // absolute position of query token t is shift + t
+  const int t_first = row0 / group;
+  const int t_last = (min(row0 + kBlockM, rows) - 1) / group;
+  const int key_end = shift + t_last + 1;  // keys [0, key_end) are seen by some row here
+  const int n_tiles = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
+  // Tiles below n_full are entirely visible to every row of the tile: no mask.
+  const int n_full = max(0, (shift + t_first + 1) / kBlockN);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const uint32_t s_q = smem_addr(smem);
+  const uint32_t s_k = s_q + kQBytes;            // 2 stages
+  const uint32_t s_v = s_k + 2 * kTileBytes;     // 2 stages
+
+  // Loader role: thread tid copies chunk (tid & 15) of rows (tid >> 4) + 16 * i.
+  const int ld_chunk = tid & 15;
+  const int ld_row = tid >> 4;
+
+  // Q tile: packed row r -> token (row0 + r) / group, head kv_head * group + (row0 + r) % group.
+  const T* q = static_cast<const T*>(p.q);
+#pragma unroll
+  for (int i = 0; i < kBlockM / kLoadRowsPerPass; ++i) {
+    const int r = ld_row + i * kLoadRowsPerPass;
+    const int pr = row0 + r;
+    const bool valid = pr < rows;
+    const int token = pr / group;
+    const int head = kv_head * group + (pr - token * group);
+    const T* src = valid ? q + ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim +
+                               ld_chunk * 8
+                         : q;
+    cp_async_16(s_q + swizzle(r, ld_chunk), src, valid);
+  }
+
+  // K/V rows: key j lives in cache block table[j / block_size] at slot j % block_size.
+  const int64_t slot_stride = (int64_t)p.num_kv_heads * kHeadDim;  // elements between slots
+  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * kHeadDim + ld_chunk * 8;
+  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * kHeadDim + ld_chunk * 8;
+  const int32_t* table = p.block_tables + (int64_t)seq * p.max_blocks;
+  const int block_mask = (1 << p.block_size_log2) - 1;
+  constexpr int kKvLoads = kBlockN / kLoadRowsPerPass;  // rows per thread per tile
+  int64_t kv_off[kKvLoads];  // element offsets of this thread's rows; -1 past the sequence
+
+  auto find_rows = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < kKvLoads; ++i) {
+      const int key = tile * kBlockN + ld_row + i * kLoadRowsPerPass;
+      kv_off[i] = key < lk ? ((int64_t)__ldg(table + (key >> p.block_size_log2))
+                                  << p.block_size_log2 | (key & block_mask)) * slot_stride
+                           : -1;
+    }
+  };
+  auto load_tile = [&](uint32_t dst, const T* head_base) {
+#pragma unroll
+    for (int i = 0; i < kKvLoads; ++i) {
+      const int r = ld_row + i * kLoadRowsPerPass;
+      const bool valid = kv_off[i] >= 0;
+      cp_async_16(dst + swizzle(r, ld_chunk), valid ? head_base + kv_off[i] : head_base, valid);
+    }
+  };
+
+  // Groups in flight, in commit order: {Q, K0}, {V0}, then per tile n: {K(n+1)}, {V(n+1)}.
+  find_rows(0);
+  load_tile(s_k, k_head);
+  cp_async_commit();
+  load_tile(s_v, v_head);
+  cp_async_commit();
+
+  // MMA fragment coordinates: lane holds rows g and g + 8 of its warp's 16, columns 2t, 2t + 1
+  // of every 8-wide n tile.
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int lane_row16 = lane & 15;  // ldmatrix: the row this lane addresses in a 16-row block
+  const int lane_hi = lane >> 4;     // ...and whether it addresses the second 8-column chunk
+
+  cp_async_wait<1>();
+  __syncthreads();
+  uint32_t q_frag[kHeadDim / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk)
+    ldmatrix_x4(q_frag[kk], s_q + swizzle(warp * 16 + lane_row16, 2 * kk + lane_hi));
+
+  // Absolute position of this lane's two rows (rows past the sequence get positions past its
+  // end: they compute harmless values on zero-filled K/V and are never stored).
+  int pos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) pos[h] = shift + (row0 + warp * 16 + g + 8 * h) / group;
+
+  float o[kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) score max of each row
+  float row_sum[2] = {0.f, 0.f};              // this lane's partial sum; the quad is summed at the end
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const uint32_t stage_off = (n & 1) * kTileBytes;
+    const uint32_t next_off = kTileBytes - stage_off;
+    cp_async_wait<1>();  // K(n) has landed (V(n) may still be in flight)
+    __syncthreads();     // ... for every thread, and everyone is done with tile n - 1
+    if (n + 1 < n_tiles) {
+      find_rows(n + 1);
+      load_tile(s_k + next_off, k_head);
+    }
+    cp_async_commit();
+
+    // S = Q K^T for this warp's 16 rows x 64 keys.
+    float s[kBlockN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+#pragma unroll
+      for (int kn = 0; kn < kBlockN / 16; ++kn) {
+        // Matrices: keys 0-7 | d lo, keys 0-7 | d hi, keys 8-15 | d lo, keys 8-15 | d hi.
+        uint32_t kf[4];
+        ldmatrix_x4(kf, s_k + stage_off +
+                            swizzle(kn * 16 + (lane & 7) + (lane_hi << 3), 2 * kk + ((lane >> 3) & 1)));
+        mma_16816<T>(s[2 * kn], q_frag[kk], kf[0], kf[1]);
+        mma_16816<T>(s[2 * kn + 1], q_frag[kk], kf[2], kf[3]);
+      }
+    }
+
+    if (n >= n_full) {  // a tile on the diagonal (or past the sequence's last key)
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n * kBlockN + j * 8 + 2 * t4 + (e & 1);
+          if (key > pos[e >> 1]) s[j][e] = -INFINITY;
+        }
+      }
+    }
+
+    // Online softmax: new row max over the quad, rescale what has been accumulated.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
+      // exp2(-inf - (-inf)) from turning into NaN.
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      const float alpha = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      row_max[h] = mx;
+      row_sum[h] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        o[j][2 * h] *= alpha;
+        o[j][2 * h + 1] *= alpha;
+      }
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], p.scale_log2, -m_scaled));
+        s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], p.scale_log2, -m_scaled));
+        row_sum[h] += s[j][2 * h] + s[j][2 * h + 1];
+      }
+    }
+
+    // The accumulator layout of two adjacent n8 tiles of S is the A fragment of a k16 step.
+    uint32_t p_frag[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      p_frag[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      p_frag[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      p_frag[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      p_frag[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+
+    cp_async_wait<1>();  // V(n) has landed (K(n+1) may still be in flight)
+    __syncthreads();
+    if (n + 1 < n_tiles) load_tile(s_v + next_off, v_head);
+    cp_async_commit();
+
+    // O += P V: V is [key][d] in shared memory, so the B fragments come from ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+        // Matrices: keys 0-7 | d lo, keys 8-15 | d lo, keys 0-7 | d hi, keys 8-15 | d hi.
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, s_v + stage_off + swizzle(kk * 16 + lane_row16, 2 * dn + lane_hi));
+        mma_16816<T>(o[2 * dn], p_frag[kk], vf[0], vf[1]);
+        mma_16816<T>(o[2 * dn + 1], p_frag[kk], vf[2], vf[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Normalise in fp32; a row with no visible key (only possible for invalid inputs) writes 0.
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+
+  // Stage the warp's 16 output rows in its own Q rows (only this warp ever read them), then
+  // write whole 256-byte rows with 16-byte stores.
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + g + 8 * h;
+      *reinterpret_cast<uint32_t*>(smem + swizzle(r, j) + 4 * t4) =
+          pack2<T>(o[j][2 * h] * inv[h], o[j][2 * h + 1] * inv[h]);
+    }
+  }
+  __syncwarp();
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 16 * 16 / 32; ++i) {
+    const int idx = i * 32 + lane;
+    const int r = warp * 16 + (idx >> 4);
+    const int chunk = idx & 15;
+    const int pr = row0 + r;
+    if (pr < rows) {
+      const int token = pr / group;
+      const int head = kv_head * group + (pr - token * group);
+      *reinterpret_cast<uint4*>(out + ((int64_t)(q_start + token) * p.num_q_heads + head) *
+                                          kHeadDim + chunk * 8) =
+          *reinterpret_cast<const uint4*>(smem + swizzle(r, chunk));
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_prefill(const PrefillParams& p, int batch, int max_seqlen_q,
+                           cudaStream_t stream) {
+  const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
+  if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
+  // Opting into > 48 KiB of dynamic shared memory is per kernel and per device; it is cheap, so
+  // set it on every call rather than caching a flag that would be wrong on a second GPU.
+  cudaError_t err = cudaFuncSetAttribute(prefill_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.num_kv_heads, (unsigned)m_blocks, batch);
+  prefill_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cache,
+                                    const void* v_cache, const int32_t* cu_seqlens_q,
+                                    const int32_t* seq_lens_k, const int32_t* block_tables,
+                                    int batch, int max_seqlen_q, int num_q_heads,
+                                    int num_kv_heads, int head_dim, int block_size,
+                                    int max_blocks, float scale, DType dtype,
+                                    cudaStream_t stream) {
+  // head_dim 128 only: ops.py sends other head dims to the reference.
+  if (head_dim != kHeadDim) return cudaErrorInvalidValue;
+  if (num_kv_heads <= 0 || num_q_heads <= 0 || num_q_heads % num_kv_heads != 0)
+    return cudaErrorInvalidValue;
+  if (block_size < 16 || block_size > 256 || (block_size & (block_size - 1)) != 0)
+    return cudaErrorInvalidValue;
+  if (batch < 0 || max_seqlen_q < 0 || max_blocks < 0) return cudaErrorInvalidValue;
+  if (batch == 0 || max_seqlen_q == 0) return cudaSuccess;
+  if (batch > 65535) return cudaErrorInvalidConfiguration;  // grid.z limit
+
+  PrefillParams p;
+  p.out = out;
+  p.q = q;
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.cu_seqlens_q = cu_seqlens_q;
+  p.seq_lens_k = seq_lens_k;
+  p.block_tables = block_tables;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_q_heads / num_kv_heads;
+  p.block_size_log2 = __builtin_ctz(static_cast<unsigned>(block_size));
+  p.max_blocks = max_blocks;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });
+}
+
+}  // namespace qwen3_kernels

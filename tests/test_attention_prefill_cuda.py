@@ -1,0 +1,277 @@
+"""CUDA tests of paged_attention_prefill (csrc/kernels/attention/prefill.cu) against the fp32 reference.
+
+Tolerance (the FlashAttention-3 rule, TARGETS.md): per sequence, our error against the fp32
+reference must be at most twice the error of PyTorch doing the same attention in the low precision
+(SDPA on the dense gathered K/V, the end-aligned causal mask given as an explicit boolean mask),
+plus a tiny epsilon for the cases where both are exact.
+
+Every cache slot the sequences do not own is NaN, and block-table entries past a sequence's last
+block point at a NaN block, so a kernel that reads a key it must not see fails loudly. Outputs are
+NaN-poisoned before the call, so every element must be written.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qwen3_kernels.ops as ops
+import qwen3_kernels.reference as ref
+from tests.helpers import rel_err, requires_cuda
+
+D = 128
+EPS = 1e-5
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class Case:
+    """Packed queries of several sequences plus their keys/values in a shuffled paged cache.
+
+    seqs: list of (Lq, Lk) with Lk >= Lq; query i of a sequence sits at position Lk - Lq + i.
+    """
+
+    def __init__(self, seqs, hq, hkv, block_size, dtype, seed=0, poison=True, extra_blocks=3):
+        gen = torch.Generator().manual_seed(seed)
+        self.seqs, self.hq, self.hkv, self.bs, self.dtype = seqs, hq, hkv, block_size, dtype
+        nblk = [_cdiv(lk, block_size) for _, lk in seqs]
+        num_blocks = sum(nblk) + extra_blocks
+        max_blocks = max(nblk + [0]) + 1  # at least one unused entry per row
+        perm = torch.randperm(num_blocks, generator=gen)
+        unused = perm[-1].item()  # never assigned: stays NaN (or random without poison)
+        fill = float("nan") if poison else None
+        shape = (num_blocks, block_size, hkv, D)
+        if poison:
+            self.k_cache = torch.full(shape, fill, dtype=dtype)
+            self.v_cache = torch.full(shape, fill, dtype=dtype)
+        else:
+            self.k_cache = torch.randn(shape, generator=gen).to(dtype)
+            self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        self.block_tables = torch.full((len(seqs), max_blocks), unused, dtype=torch.int32)
+        self.keys, self.values = [], []
+        nxt = 0
+        for b, (lq, lk) in enumerate(seqs):
+            assert lk >= lq
+            self.block_tables[b, : nblk[b]] = perm[nxt : nxt + nblk[b]].to(torch.int32)
+            nxt += nblk[b]
+            k = torch.randn(lk, hkv, D, generator=gen).to(dtype)
+            v = torch.randn(lk, hkv, D, generator=gen).to(dtype)
+            self.keys.append(k)
+            self.values.append(v)
+            self.write_kv(b, 0, lk)
+        tq = sum(lq for lq, _ in seqs)
+        self.q = torch.randn(tq, hq, D, generator=gen).to(dtype)
+        cu = [0]
+        for lq, _ in seqs:
+            cu.append(cu[-1] + lq)
+        self.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32)
+        self.seq_lens_k = torch.tensor([lk for _, lk in seqs], dtype=torch.int32)
+        self.max_seqlen_q = max([lq for lq, _ in seqs] + [0])
+        self.scale = 1.0 / math.sqrt(D)
+
+    def write_kv(self, b, start, end):
+        """Write keys/values [start, end) of sequence b into its cache slots."""
+        j = torch.arange(start, end, device=self.block_tables.device)
+        slots = self.block_tables[b].long()[j // self.bs] * self.bs + j % self.bs
+        self.k_cache.view(-1, self.hkv, D)[slots] = self.keys[b][start:end].to(self.k_cache.device)
+        self.v_cache.view(-1, self.hkv, D)[slots] = self.values[b][start:end].to(self.v_cache.device)
+
+    def chunk(self, start, n):
+        """This single-sequence case's call for queries [start, start + n) over keys [0, start + n)."""
+        step = Case.__new__(Case)
+        step.__dict__.update(self.__dict__)
+        dev = self.q.device
+        step.q = self.q[start : start + n].contiguous()
+        step.seqs = [(n, start + n)]
+        step.cu_seqlens_q = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        step.seq_lens_k = torch.tensor([start + n], dtype=torch.int32, device=dev)
+        step.max_seqlen_q = n
+        return step
+
+    def cuda(self):
+        for name in ("k_cache", "v_cache", "block_tables", "q", "cu_seqlens_q", "seq_lens_k"):
+            setattr(self, name, getattr(self, name).cuda())
+        return self
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens_k,
+                self.block_tables)
+
+
+def run_ours(case, max_seqlen_q=None):
+    out = torch.full_like(case.q, float("nan"))  # poisoned: every element must be written
+    res = ops.paged_attention_prefill(
+        *case.args(), case.max_seqlen_q if max_seqlen_q is None else max_seqlen_q, case.scale,
+        out=out)
+    assert res is out
+    return out
+
+
+def _ref_fp32(case):
+    """The reference's math kept in fp32 (reference.paged_attention_prefill rounds its result to
+    the input dtype, which would blur the error measure); run on the GPU for speed."""
+    out = torch.empty(case.q.shape, dtype=torch.float32, device=case.q.device)
+    cu = case.cu_seqlens_q.tolist()
+    for b, lk in enumerate(case.seq_lens_k.tolist()):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        k = ref._gather_kv(case.k_cache, case.block_tables[b], lk)
+        v = ref._gather_kv(case.v_cache, case.block_tables[b], lk)
+        out[s:e] = ref._attention_one(case.q[s:e], k, v, case.scale)
+    return out
+
+
+def run_torch_lowp(case):
+    """PyTorch in the input dtype: SDPA on the dense gathered K/V with an explicit causal mask."""
+    out = torch.empty_like(case.q)
+    cu = case.cu_seqlens_q.tolist()
+    group = case.hq // case.hkv
+    for b, lk in enumerate(case.seq_lens_k.tolist()):
+        s, e = cu[b], cu[b + 1]
+        lq = e - s
+        if lq == 0:
+            continue
+        k = ref._gather_kv(case.k_cache, case.block_tables[b], lk)
+        v = ref._gather_kv(case.v_cache, case.block_tables[b], lk)
+        qb = case.q[s:e].transpose(0, 1)[None]  # [1, Hq, Lq, D]
+        kb = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, Hq, Lk, D]
+        vb = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        qpos = torch.arange(lq, device=qb.device)[:, None] + (lk - lq)
+        kpos = torch.arange(lk, device=qb.device)[None, :]
+        mask = kpos <= qpos  # [Lq, Lk], True = attend
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=case.scale)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def check_against_reference(case, ours):
+    assert torch.isfinite(ours).all(), "output has NaN/Inf: an element was not written or a " \
+        "masked / out-of-sequence key leaked in"
+    want = _ref_fp32(case)
+    lowp = run_torch_lowp(case)
+    cu = case.cu_seqlens_q.tolist()
+    for b, (lq, lk) in enumerate(case.seqs):
+        s, e = cu[b], cu[b + 1]
+        if lq == 0:
+            continue
+        ours_err = rel_err(ours[s:e], want[s:e])
+        torch_err = rel_err(lowp[s:e], want[s:e])
+        assert ours_err <= 2 * torch_err + EPS, (
+            f"sequence {b} (Lq={lq}, Lk={lk}): error {ours_err:.3e} > 2 x torch's {torch_err:.3e}")
+
+
+GQA = [(8, 8), (16, 8), (32, 8), (40, 8), (64, 8), (4, 1)]  # group sizes 1, 2, 4, 5, 8, 4
+
+
+def _mixed_seqs(bs):
+    """Lengths around the block size, with and without a cached prefix, plus an empty query."""
+    return [
+        (1, 1),
+        (bs - 1, bs - 1),
+        (bs, bs),
+        (bs + 1, bs + 1),
+        (1, 3 * bs + 7),          # one new token over a cached prefix
+        (37, 37 + 2 * bs + 5),    # a short chunk over a prefix, not block aligned
+        (0, 50),                  # a sequence with nothing to compute this step
+        (200, 777),
+        (130, 130),               # just past one 128-row M tile
+    ]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_prefill_mixed_batch(dtype, block_size, hq, hkv):
+    case = Case(_mixed_seqs(block_size), hq, hkv, block_size, dtype,
+                seed=block_size * 100 + hq).cuda()
+    check_against_reference(case, run_ours(case))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_long_and_short_together(dtype, block_size):
+    seqs = [(4096, 4096), (3, 3), (1000, 3000), (1, 1), (513, 513)]
+    case = Case(seqs, 32, 8, block_size, dtype, seed=7).cuda()
+    check_against_reference(case, run_ours(case))
+
+
+@requires_cuda
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8)])
+def test_prefill_long_prefix_32k(hq, hkv):
+    seqs = [(64, 32768), (1, 32768)]  # short chunks over a 32k-key cached context
+    case = Case(seqs, hq, hkv, 256, torch.bfloat16, seed=11).cuda()
+    check_against_reference(case, run_ours(case))
+
+
+@requires_cuda
+def test_prefill_oversized_max_seqlen_q():
+    """max_seqlen_q only sizes the grid: a larger value than the longest sequence is fine."""
+    case = Case([(5, 20), (70, 70)], 32, 8, 16, torch.bfloat16, seed=3).cuda()
+    check_against_reference(case, run_ours(case, max_seqlen_q=case.max_seqlen_q + 300))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_prefill_in_chunks_matches_one_shot(dtype, block_size):
+    """Chunked prefill: each call sees the keys written so far (keys beyond are still NaN)."""
+    total = 1200
+    chunks = [300, 1, block_size, 444, total - 745 - block_size]
+    hq, hkv = 32, 8
+    full = Case([(total, total)], hq, hkv, block_size, dtype, seed=5)
+    one_shot = run_ours(full.cuda())
+    check_against_reference(full, one_shot)
+
+    # The same sequence, its cache filled chunk by chunk.
+    chunked = Case([(total, total)], hq, hkv, block_size, dtype, seed=5)
+    chunked.k_cache.fill_(float("nan"))
+    chunked.v_cache.fill_(float("nan"))
+    chunked.cuda()
+    start = 0
+    outs = []
+    for n in chunks:
+        chunked.write_kv(0, start, start + n)
+        step = chunked.chunk(start, n)
+        out = run_ours(step)
+        check_against_reference(step, out)
+        outs.append(out)
+        start += n
+    assert start == total
+    # Per row the kernel does the same work either way (fully masked tiles add exact zeros).
+    assert rel_err(torch.cat(outs), one_shot) <= 1e-3
+
+
+@requires_cuda
+def test_prefill_head_dim_64_uses_reference():
+    """head_dim != 128 is not a kernel case: the wrapper runs the reference instead."""
+    gen = torch.Generator().manual_seed(0)
+    d = 64
+    k_cache = torch.randn(4, 16, 2, d, generator=gen).to(torch.bfloat16).cuda()
+    v_cache = torch.randn(4, 16, 2, d, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(20, 4, d, generator=gen).to(torch.bfloat16).cuda()
+    cu = torch.tensor([0, 20], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([40], dtype=torch.int32, device="cuda")
+    tables = torch.tensor([[3, 1, 0]], dtype=torch.int32, device="cuda")
+    out = ops.paged_attention_prefill(q, k_cache, v_cache, cu, lens, tables, 20, 0.125)
+    want = ref.paged_attention_prefill(q, k_cache, v_cache, cu, lens, tables, 0.125)
+    torch.testing.assert_close(out, want)
+    # The raw op refuses it with a clear error rather than computing garbage.
+    with pytest.raises(RuntimeError, match="paged_attention_prefill"):
+        torch.ops.qwen3_kernels.paged_attention_prefill(
+            torch.empty_like(q), q, k_cache, v_cache, cu, lens, tables, 20, 0.125)
+
+
+@requires_cuda
+def test_prefill_opcheck():
+    case = Case([(17, 40), (64, 64)], 16, 8, 16, torch.bfloat16, seed=1, poison=False).cuda()
+    out = torch.empty_like(case.q)
+    torch.library.opcheck(
+        torch.ops.qwen3_kernels.paged_attention_prefill.default,
+        (out, *case.args(), case.max_seqlen_q, case.scale))

@@ -12,11 +12,14 @@
 // [64+8j, 64+8j+8) of the second half: two 16-byte loads, and each lane holds both elements of
 // every neox pair (i, i+64) it rotates, so RoPE needs no shuffles. The RMS over the 128 elements is
 // a 3-step xor-shuffle within the 8-lane group. v heads are copied through untouched.
-// Each thread handles ITEMS items, all loads issued before any math, so enough bytes are in flight
-// per SM to saturate HBM (this kernel is purely bandwidth bound: ~6 FLOP per byte at most).
+// Each thread handles ITEMS items (2 for large batches, 1 for small ones), all qkv loads issued
+// before any math, so enough bytes are in flight per SM to saturate HBM (the kernel is purely
+// bandwidth bound: a few FLOP per byte).
 //
 // Not checked on the device (the launcher has no bounds to check against, and a check would need a
 // host sync): positions must be < max_position, and slots < num_blocks * block_size.
+// The launcher refuses (cudaErrorMisalignedAddress) pointers off a 16-byte boundary, and
+// num_tokens * (Hq + 2*Hkv) >= 2^31 (cudaErrorInvalidValue).
 #include "qwen3_kernels/common.cuh"
 
 namespace qwen3_kernels {
@@ -47,7 +50,23 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
-template <typename T, int ITEMS>
+// What rotating one q or k head needs besides its data: its norm weight and its token's cos/sin.
+template <typename T>
+struct RopeOperands {
+  Vec8<T> w1, w2;          // norm weight, elements [8j, 8j+8) and [64+8j, 64+8j+8)
+  float c[kVec], s[kVec];  // cos / sin of the same 8 frequencies
+};
+
+template <typename T>
+__device__ __forceinline__ void load_rope_operands(RopeOperands<T>& op, const T* w,
+                                                   const float* cos_sin_row, int lane) {
+  op.w1 = load_vec8(w + lane * kVec);
+  op.w2 = load_vec8(w + kHalf + lane * kVec);
+  load_f8(cos_sin_row + lane * kVec, op.c);
+  load_f8(cos_sin_row + kHalf + lane * kVec, op.s);
+}
+
+template <typename T, int ITEMS, bool HOIST>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
     const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
@@ -96,6 +115,17 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
       *reinterpret_cast<uint4*>(&hi[r]) = make_uint4(0, 0, 0, 0);
     }
   }
+  // HOIST: fetch the weights and cos/sin rows now, while the qkv loads are in flight, so an item
+  // waits on max(qkv, positions -> cos/sin) rather than qkv + cos/sin: shorter latency for small
+  // batches, at the cost of 16 more live registers per item (fewer threads per SM).
+  RopeOperands<T> rope[ITEMS];
+  if constexpr (HOIST) {
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r)
+      if (valid[r] && head[r] < num_q_heads + num_kv_heads)
+        load_rope_operands(rope[r], head[r] < num_q_heads ? q_norm_weight : k_norm_weight,
+                           cos_sin_cache + pos[r] * kHeadDim, lane);
+  }
 
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) {
@@ -117,22 +147,20 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
 
     if (is_q || is_k) {
       const float inv_rms = rsqrtf(ss * (1.f / kHeadDim) + eps);
-      const T* w = is_q ? q_norm_weight : k_norm_weight;
-      const Vec8<T> w1 = load_vec8(w + lane * kVec), w2 = load_vec8(w + kHalf + lane * kVec);
-      // The cos/sin row of this token: L1/L2 hits after the first head of the token.
-      const float* cs = cos_sin_cache + pos[r] * kHeadDim + lane * kVec;
-      float c[kVec], s[kVec];
-      load_f8(cs, c);
-      load_f8(cs + kHalf, s);
+      // Not hoisted: L1 hits after the first head of a token (a token's heads share a block).
+      if constexpr (!HOIST)
+        load_rope_operands(rope[r], is_q ? q_norm_weight : k_norm_weight,
+                           cos_sin_cache + pos[r] * kHeadDim, lane);
+      const RopeOperands<T>& op = rope[r];
 
       Vec8<T> o1, o2;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         // Same association as the reference: (x * inv_rms) * w, then rotate in fp32.
-        const float a = x1[i] * inv_rms * to_float(w1.v[i]);
-        const float b = x2[i] * inv_rms * to_float(w2.v[i]);
-        o1.v[i] = from_float<T>(a * c[i] - b * s[i]);
-        o2.v[i] = from_float<T>(b * c[i] + a * s[i]);
+        const float a = x1[i] * inv_rms * to_float(op.w1.v[i]);
+        const float b = x2[i] * inv_rms * to_float(op.w2.v[i]);
+        o1.v[i] = from_float<T>(a * op.c[i] - b * op.s[i]);
+        o2.v[i] = from_float<T>(b * op.c[i] + a * op.s[i]);
       }
       T* dst;
       if (is_q) {
@@ -156,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <typename T, int ITEMS>
+template <typename T, int ITEMS, bool HOIST>
 cudaError_t launch(void* q_out, const void* qkv, const void* q_norm_weight,
                    const void* k_norm_weight, const float* cos_sin_cache,
                    const int64_t* positions, void* k_cache,
@@ -165,7 +193,7 @@ cudaError_t launch(void* q_out, const void* qkv, const void* q_norm_weight,
                    cudaStream_t stream) {
   constexpr int64_t items_per_block = kThreads / kLanesPerItem * ITEMS;
   const int64_t blocks = (num_items + items_per_block - 1) / items_per_block;
-  qk_norm_rope_kernel<T, ITEMS><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  qk_norm_rope_kernel<T, ITEMS, HOIST><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<T*>(q_out), static_cast<const T*>(qkv), static_cast<const T*>(q_norm_weight),
       static_cast<const T*>(k_norm_weight), cos_sin_cache, positions, static_cast<T*>(k_cache),
       static_cast<T*>(v_cache), slot_mapping, static_cast<uint32_t>(num_items), qkv_stride,
@@ -195,16 +223,15 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
 
   const int64_t num_items = num_tokens * (num_q_heads + 2 * num_kv_heads);
   if (num_items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // ~26M tokens at 80 heads
-  // Two items per thread doubles the bytes in flight for large batches; small batches keep one so
-  // the few items spread over more SMs (latency, not bandwidth, is what counts there).
+  // Large batches: two items per thread doubles the bytes in flight (bandwidth is all that
+  // counts). Small batches: one item per thread spreads the few items over more SMs, and hoisting
+  // the weight / cos-sin loads takes one memory latency off the critical path (latency is what
+  // counts there). Two hoisted items would need ~110 registers, halving the threads per SM.
   const bool many = num_items >= (int64_t{1} << 16);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    return many ? launch<T, 2>(q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions,
-                               k_cache, v_cache, slot_mapping, num_items, qkv_stride, num_q_heads,
-                               num_kv_heads, eps, stream)
-                : launch<T, 1>(q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions,
-                               k_cache, v_cache, slot_mapping, num_items, qkv_stride, num_q_heads,
-                               num_kv_heads, eps, stream);
+    auto run = many ? launch<T, 2, false> : launch<T, 1, true>;
+    return run(q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
+               slot_mapping, num_items, qkv_stride, num_q_heads, num_kv_heads, eps, stream);
   });
 }
 

@@ -27,9 +27,15 @@ if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -
 
 TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}
 if [ "$TESTS" != none ]; then
-  start=$(date +%s)
-  python3 -m pytest -q -x --timeout=600 -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
-  echo "tests: $(tail -1 "$OUT/tests.log") in $(( $(date +%s) - start )) s"
+  # One pytest process per file: a crash in one file cannot hide the others' results.
+  : > "$OUT/tests.log"
+  for f in $TESTS; do
+    start=$(date +%s)
+    python3 -m pytest -q -rf --maxfail=25 --timeout=900 -p no:cacheprovider "$f" ${PYTEST_ARGS:-} \
+      >> "$OUT/tests.log" 2>&1
+    echo "tests $f: rc=$? $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1) ($(( $(date +%s) - start )) s)"
+  done
+  grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
 
 BENCH=${BENCH:-$(cd benchmarks && ls bench_*.py | grep -v bench_engine | tr '\n' ' ')}

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
   // 32-bit division, several times cheaper than a 64-bit one.
   const uint32_t group = blockIdx.x * (kThreads / kLanesPerItem) + threadIdx.x / kLanesPerItem;
 
-  // Phase 1: issue the qkv loads (and per-token scalars) of all this thread's items before any math.
+  // Phase 1: issue the qkv loads (and per-token scalars) of all this thread's items, before math.
   Vec8<T> lo[ITEMS], hi[ITEMS];
   int64_t token[ITEMS], pos[ITEMS];
   int head[ITEMS];

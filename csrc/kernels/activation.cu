@@ -13,24 +13,40 @@ namespace {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;  // scalar path
+constexpr int kVecs = 4;        // 16-byte vectors per thread on the vector path
 
-// grid (T, ceil(I / (8 * kThreads))): one thread per 8 outputs, so every load is 16 bytes wide.
+// grid (T, chunks): each thread owns up to kVecs vectors of one row, strided by blockDim so a warp's
+// accesses stay coalesced. All loads are issued before any math: 2 x 64 bytes in flight per thread
+// is what keeps HBM busy; one vector per thread left the kernel at ~0.96x Inductor.
 template <typename T>
 __global__ void silu_and_mul_vec_kernel(T* __restrict__ out,        // [T, I], row stride out_stride
                                         const T* __restrict__ x,    // [T, 2I], row stride x_stride
                                         int64_t intermediate, int64_t out_stride,
                                         int64_t x_stride) {
   const int64_t token = blockIdx.x;
+  const int nvec = static_cast<int>(intermediate / 8);
   const T* row = x + token * x_stride;
-  for (int64_t col = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * 8;
-       col < intermediate; col += static_cast<int64_t>(gridDim.y) * kThreads * 8) {
-    const Vec8<T> gate = load_vec8(row + col);
-    const Vec8<T> up = load_vec8(row + intermediate + col);
-    Vec8<T> r;
+  const int base = blockIdx.y * blockDim.x * kVecs + threadIdx.x;
+  Vec8<T> gate[kVecs], up[kVecs];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) r.v[i] = from_float<T>(silu(to_float(gate.v[i])) * to_float(up.v[i]));
-    store_vec8(out + token * out_stride + col, r);
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = base + j * blockDim.x;
+    if (v < nvec) {
+      gate[j] = load_vec8(row + v * 8);
+      up[j] = load_vec8(row + intermediate + v * 8);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = base + j * blockDim.x;
+    if (v < nvec) {
+      Vec8<T> r;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        r.v[i] = from_float<T>(silu(to_float(gate[j].v[i])) * to_float(up[j].v[i]));
+      store_vec8(out + token * out_stride + v * 8, r);
+    }
   }
 }
 
@@ -55,12 +71,19 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t i
   if (num_tokens == 0 || intermediate == 0) return cudaSuccess;
   const bool vec = intermediate % 8 == 0 && out_stride % 8 == 0 && x_stride % 8 == 0 &&
                    aligned16(out) && aligned16(x);
-  const int64_t per_block = vec ? 8 * kThreads : kThreads;
-  const dim3 grid(static_cast<unsigned>(num_tokens),
-                  static_cast<unsigned>(std::min<int64_t>((intermediate + per_block - 1) / per_block, 65535)));
+  // Vector path: the fewest threads (whole warps, <= 1024) that cover the row at kVecs vectors
+  // each; very wide rows get more blocks along y.
+  const int64_t nvec = intermediate / 8;
+  int threads = kThreads;
+  unsigned chunks = static_cast<unsigned>(std::min<int64_t>((intermediate + kThreads - 1) / kThreads, 65535));
+  if (vec) {
+    threads = static_cast<int>(std::min<int64_t>(1024, ((nvec + kVecs - 1) / kVecs + 31) / 32 * 32));
+    chunks = static_cast<unsigned>((nvec + threads * kVecs - 1) / (threads * kVecs));
+  }
+  const dim3 grid(static_cast<unsigned>(num_tokens), chunks);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     if (vec) {
-      silu_and_mul_vec_kernel<T><<<grid, kThreads, 0, stream>>>(
+      silu_and_mul_vec_kernel<T><<<grid, threads, 0, stream>>>(
           static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
     } else {
       silu_and_mul_scalar_kernel<T><<<grid, kThreads, 0, stream>>>(

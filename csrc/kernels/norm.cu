@@ -41,12 +41,15 @@ __global__ void rms_norm_vec_kernel(T* __restrict__ out,             // [T, H], 
   const T* xr = x + row * x_stride;
   T* rr = kAdd ? residual + row * residual_stride : nullptr;
 
-  Vec8<T> v[kMaxVecs];
+  Vec8<T> v[kMaxVecs], w[kMaxVecs];
   float sumsq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kMaxVecs; ++j) {  // issue every load first: bytes in flight hide latency
     const int idx = threadIdx.x + j * blockDim.x;
     if (idx < nvec) {
+      // The weight is loaded here, not after the reduction: at small T the kernel is latency
+      // bound and a dependent load after the block sum costs a whole memory round trip.
+      w[j] = load_vec8(weight + idx * 8);
       v[j] = load_vec8(xr + idx * 8);
       if constexpr (kAdd) {
         const Vec8<T> r = load_vec8(rr + idx * 8);
@@ -73,11 +76,10 @@ __global__ void rms_norm_vec_kernel(T* __restrict__ out,             // [T, H], 
   for (int j = 0; j < kMaxVecs; ++j) {
     const int idx = threadIdx.x + j * blockDim.x;
     if (idx < nvec) {
-      const Vec8<T> w = load_vec8(weight + idx * 8);
       Vec8<T> o;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        o.v[i] = from_float<T>(to_float(v[j].v[i]) * inv_rms * to_float(w.v[i]));
+        o.v[i] = from_float<T>(to_float(v[j].v[i]) * inv_rms * to_float(w[j].v[i]));
       store_vec8(outr + idx * 8, o);
     }
   }

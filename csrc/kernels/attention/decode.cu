@@ -143,6 +143,20 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Programmatic dependent launch (sm_90+): the main kernel lets the combine kernel be launched while
+// its last wave still runs, and the combine kernel waits here until the main grid has finished and
+// its writes are visible. Hides the combine's launch latency; both are no-ops without PDL.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+__device__ __forceinline__ void pdl_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [16][128] tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
@@ -154,6 +168,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
+  if constexpr (kSplit) pdl_launch_dependents();
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks;
   const int chunk = blockIdx.y % p.head_chunks;
@@ -382,6 +397,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_combine_kernel(const De
   __shared__ float inv_total;
   const int64_t bh = blockIdx.x;
   const float* lse = p.ws_lse + bh * p.max_splits;
+  pdl_wait_primary();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
@@ -410,6 +426,24 @@ __global__ void __launch_bounds__(kThreads) paged_decode_combine_kernel(const De
 // ---- host side ----------------------------------------------------------------------------------
 
 constexpr int kMaxDevices = 64;
+
+// Whether the current device has programmatic dependent launch (compute capability 9.0+).
+cudaError_t device_has_pdl(bool* has) {
+  static int cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < kMaxDevices && cached[dev] != 0) {
+    *has = cached[dev] == 2;
+    return cudaSuccess;
+  }
+  int major = 0;
+  err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err != cudaSuccess) return err;
+  *has = major >= 9;
+  if (dev < kMaxDevices) cached[dev] = *has ? 2 : 1;
+  return cudaSuccess;
+}
 
 // Resident CTAs of the main kernel per SM (1 on A100's 164 KB of shared memory, 2 on H100/H200),
 // queried once per device. Also raises the kernel's dynamic shared memory limit, which is per device.
@@ -477,8 +511,20 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, cudaStre
   paged_decode_kernel<T, true><<<grid, kThreads, kSmemBytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  paged_decode_combine_kernel<T><<<batch * p.num_q_heads, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  bool pdl = false;
+  err = device_has_pdl(&pdl);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(batch * p.num_q_heads);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, paged_decode_combine_kernel<T>, p);
 }
 
 }  // namespace

@@ -8,7 +8,8 @@ Baselines, each on dense [B, Hkv, L, D] K/V holding the same values as our paged
   cudnn  torch SDPA, cuDNN backend, enable_gqa=True  (the goal's yardstick)
   flash  torch SDPA, flash backend, K/V repeated to Hq heads (flash has no GQA in torch)
   flex   torch.compile(flex_attention), enable_gqa=True, where it compiles for q length 1
-A baseline that fails is recorded as unavailable in the row's note; the row still prints.
+A baseline that fails is recorded as unavailable in the row's note; the row still prints. The
+baselines are timed once per shape (they do not depend on our block size) and reused for both rows.
 
 Bytes that must move: K and V of every context read once, plus q and out. K/V sets rotate so the
 sets together exceed the 60 MB L2.
@@ -71,18 +72,31 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
     sets = [_make_set(b, ctx, hq, hkv, bs, gen) for _ in range(sets_for(kv_bytes))]
     calls = max(len(sets), 8)
 
-    # correctness guard: the timed kernel agrees with cuDNN-free math SDPA on set 0
+    # correctness guard: the timed kernel agrees with fp32 SDPA on set 0
     s0 = sets[0]
     got = qwen3_kernels.paged_attention_decode(s0["q"], s0["k_cache"], s0["v_cache"],
                                                s0["block_tables"], s0["seq_lens"], scale)
     want = F.scaled_dot_product_attention(s0["q"].float()[:, :, None], s0["k"].float(),
                                           s0["v"].float(), scale=scale, enable_gqa=True)[:, :, 0]
-    assert (got.float() - want).abs().max().item() < 2e-2
+    assert (got.float() - want).norm().item() < 2e-2 * want.norm().item()
 
     ours = time_gpu([lambda s=s: qwen3_kernels.paged_attention_decode(
         s["q"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"], scale,
         out=s["out"], workspace=s["ws"]) for s in sets], calls_per_replay=calls)
 
+    # The dense baselines do not depend on the block size: time them once per shape.
+    key = (b, ctx, hq, hkv)
+    if key not in _BASELINES:
+        _BASELINES[key] = _time_baselines(sets, hq, hkv, scale, calls)
+    baselines, notes = _BASELINES[key]
+    report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs}", ours,
+           baselines, nbytes=nbytes, note="; ".join(notes))
+
+
+_BASELINES: dict = {}
+
+
+def _time_baselines(sets, hq, hkv, scale, calls):
     baselines, notes = {}, []
 
     def cudnn(s):
@@ -123,6 +137,4 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
         notes.append(f"flex unavailable ({err})")
     else:
         baselines["flex"] = t
-
-    report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs}", ours,
-           baselines, nbytes=nbytes, note="; ".join(notes))
+    return baselines, notes

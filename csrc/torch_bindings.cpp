@@ -308,6 +308,8 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
 // qkv_gemm
 // ---------------------------------------------------------------------------------------------
 
+// Hopper runs our CUTLASS / hand-written kernels (kernels/gemm/); any other GPU gets cuBLAS through
+// at::mm_out: the same result, so the op works everywhere the extension loads.
 void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   const char* op = "qkv_gemm";
   check_cuda(x, x, op, "x");
@@ -324,15 +326,37 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
               "] but weight is ", weight.sizes(), ": inner dims differ");
-  TORCH_CHECK(k % 8 == 0 && n % 8 == 0, "qwen3_kernels.", op,
-              ": K and N must be multiples of 8, got K=", k, " N=", n);
+  TORCH_CHECK(k % 8 == 0 && n % 8 == 0 && k > 0 && n > 0, "qwen3_kernels.", op,
+              ": K and N must be positive multiples of 8, got K=", k, " N=", n);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "qwen3_kernels.", op,
               ": out must be [", m, ", ", n, "], got ", out.sizes());
+  const at::Tensor* operands[] = {&x, &weight, &out};
+  for (const at::Tensor* t : operands) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "qwen3_kernels.", op,
+                ": x, weight and out must start 16-byte aligned (TMA); got a view at offset ",
+                t->storage_offset());
+  }
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  check_launch(qwen3_kernels::qkv_gemm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
-                                       dt, c10::cuda::getCurrentCUDAStream()),
-               op);
+  // Stream-K partials where the chosen configuration needs them: from the caching allocator on
+  // the current stream, so this stays CUDA-graph capturable.
+  const size_t ws_bytes = qwen3_kernels::qkv_gemm_workspace_size(m, n, k, dt);
+  at::Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  const cudaError_t err = qwen3_kernels::qkv_gemm(
+      out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
+      ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes, dt, c10::cuda::getCurrentCUDAStream());
+  if (err == cudaErrorNotSupported) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device());
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device());
+    TORCH_CHECK(!(major == 9 && minor == 0), "qwen3_kernels.", op,
+                ": the chosen configuration (the table in csrc/kernels/gemm/qkv_gemm.cu, or "
+                "QWEN3_QKV_GEMM_FORCE) cannot run M=", m, " N=", n, " K=", k);
+    at::mm_out(out, x, weight.t());
+    return;
+  }
+  check_launch(err, op);
 }
 
 }  // namespace

@@ -75,10 +75,16 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
                                     cudaStream_t stream);
 
 // ---- gemm/ ------------------------------------------------------------------------------------
-// out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous); sm_90 only.
+// out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous, 16-byte aligned; N, K % 8 == 0);
+// sm_90 only: cudaErrorNotSupported on any other device. The configuration is chosen by M from the
+// table in kernels/gemm/qkv_gemm.cu (or QWEN3_QKV_GEMM_FORCE, see there).
+// Bytes of workspace the chosen configuration needs (0 for many; stream-K partials otherwise).
+size_t qkv_gemm_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype);
 cudaError_t qkv_gemm(void* out,        // [M, N]
                      const void* x,    // [M, K]
                      const void* w,    // [N, K]
-                     int64_t m, int64_t n, int64_t k, DType dtype, cudaStream_t stream);
+                     int64_t m, int64_t n, int64_t k,
+                     void* workspace,  // qkv_gemm_workspace_size(m, n, k, dtype) bytes, any content
+                     size_t workspace_bytes, DType dtype, cudaStream_t stream);
 
 }  // namespace qwen3_kernels

@@ -1,0 +1,51 @@
+// The qkv_gemm configurations the dispatcher (qkv_gemm.cu) chooses from, one per TU.
+// Plain C++ (no CUTLASS): the dispatcher includes only this.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace qwen3_kernels::qkv_gemm_detail {
+
+// How the CUTLASS stream-K scheduler cuts the work (the hand-written split-K kernel ignores it).
+enum class Decomposition { kHeuristic, kDataParallel, kSplitK, kStreamK };
+
+struct Problem {
+  void* out;              // [m, n]
+  const void* x;          // [m, k]
+  const void* w;          // [n, k]
+  int64_t m, n, k;
+  void* workspace;        // workspace_bytes, from <config>_workspace(problem); may be null if 0
+  size_t workspace_bytes;
+  int device;             // current device
+  int sm_count;           // its SM count (cached by the dispatcher)
+  Decomposition decomposition;
+  int splits;             // for kSplitK
+  cudaStream_t stream;
+};
+
+// CUTLASS sm90 configurations (qkv_gemm_<config>_<dtype>.cu). Each returns cudaErrorNotSupported
+// when CUTLASS's can_implement refuses the problem.
+#define QWEN3_QKV_GEMM_DECLARE(NAME)            \
+  size_t NAME##_workspace(const Problem& p);    \
+  cudaError_t NAME(const Problem& p);
+
+QWEN3_QKV_GEMM_DECLARE(sm90_swap_128x64_bf16)    // decode: out^T = w @ x^T, tile 128 weight rows x 64 tokens
+QWEN3_QKV_GEMM_DECLARE(sm90_swap_128x64_fp16)
+QWEN3_QKV_GEMM_DECLARE(sm90_tile_128x128_bf16)   // mid-size prefill
+QWEN3_QKV_GEMM_DECLARE(sm90_tile_128x128_fp16)
+QWEN3_QKV_GEMM_DECLARE(sm90_tile_128x256_bf16)   // large prefill
+QWEN3_QKV_GEMM_DECLARE(sm90_tile_128x256_fp16)
+
+#undef QWEN3_QKV_GEMM_DECLARE
+
+// Hand-written weight-streaming split-K kernel (qkv_gemm_splitk.cu), m <= 64, no workspace:
+// the K splits of one row block form a thread-block cluster and reduce through distributed
+// shared memory. bf16 == true for bfloat16, else float16. num_splits in [1, 8].
+constexpr int kSplitKMaxM = 64;
+cudaError_t splitk_gemm(const Problem& p, bool bf16, int num_splits);
+// The split count the dispatcher uses by default: enough CTAs to keep every SM streaming.
+int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count);
+
+}  // namespace qwen3_kernels::qkv_gemm_detail

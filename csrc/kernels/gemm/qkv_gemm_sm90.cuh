@@ -1,0 +1,153 @@
+// qkv_gemm on Hopper with CUTLASS 3.x: out[M, N] = x[M, K] @ w[N, K]^T, 16-bit in, fp32 accumulate.
+//
+// What the kernel shows (in the style of CUTLASS example 48):
+//   1. TMA loads of both operands into a multi-stage shared-memory ring, consumed by wgmma
+//      (warp-specialized: one producer warp group issues TMA, two consumer warp groups run wgmma on
+//      halves of the tile: the "cooperative" schedule), TMA store of the output.
+//   2. A persistent grid of one CTA per SM walking the tiles with the stream-K scheduler, whose
+//      decomposition (data-parallel, split-K with S splits, stream-K, or CUTLASS's heuristic) is a
+//      runtime argument: one instantiation covers every way of cutting the work.
+//   3. Swapped operands for decode: with M = tokens <= 64 the weight is the only large operand, so
+//      we compute out^T[N, M] = w[N, K] @ x[M, K]^T. The weight rows then fill the 128-wide M side
+//      of the wgmma tile and the few tokens sit on the narrow N side (64), instead of padding 1..64
+//      tokens up to a 128-row tile. out^T is out read column-major, so no transpose is needed.
+//
+// Each instantiation lives in its own TU (qkv_gemm_<config>_<dtype>.cu) so the build parallelises;
+// this header is included only there. No torch headers (ARCHITECTURE.md).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler_params.h"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "qkv_gemm_configs.h"
+
+namespace qwen3_kernels::qkv_gemm_detail {
+
+template <class Element_,       // cutlass::bfloat16_t or cutlass::half_t
+          class TileShape_,     // CTA tile in the CUTLASS problem: (M', N', K)
+          class ClusterShape_,  // CTAs per cluster along (M', N', 1): multicast of the shared operand
+          bool kSwapAB>         // true: CUTLASS problem is out^T = w @ x^T (decode)
+struct Sm90Gemm {
+  // In both orientations the two operands are K-major (x and w are row-major [., K]), which is
+  // what wgmma reads without a transpose; only the role of x and w and the output layout change.
+  using Element            = Element_;
+  using ElementA           = Element;                                       // A: w when swapped, else x
+  using LayoutA            = cutlass::layout::RowMajor;                     // [M', K], K contiguous
+  static constexpr int AlignmentA = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA rows: K % 8 == 0
+  using ElementB           = Element;                                       // B: x when swapped, else w
+  using LayoutB            = cutlass::layout::ColumnMajor;                  // [K, N'] stored as [N', K]: K contiguous
+  static constexpr int AlignmentB = AlignmentA;                             // same 16-byte rows
+  using ElementD           = Element;                                       // out, rounded from fp32
+  using LayoutD            = cute::conditional_t<kSwapAB,                   // out[M, N] row-major is out^T
+                                                 cutlass::layout::ColumnMajor,  //   column-major when swapped
+                                                 cutlass::layout::RowMajor>;
+  static constexpr int AlignmentD = AlignmentA;                             // N % 8 == 0: 16-byte output rows
+  using ElementC           = void;                                          // no source operand: D = acc
+  using ElementAccumulator = float;                                         // fp32 accumulate
+  using ElementCompute     = float;                                         // epilogue math in fp32
+  using ArchTag            = cutlass::arch::Sm90;                           // wgmma + TMA
+  using OperatorClass      = cutlass::arch::OpClassTensorOp;                // tensor cores
+  using TileShape          = TileShape_;                                    // see the config TUs
+  using ClusterShape       = ClusterShape_;                                 // see the config TUs
+  using KernelSchedule     = cutlass::gemm::KernelTmaWarpSpecializedCooperative;  // 2 consumer WGs share a tile; stream-K needs it
+  using EpilogueSchedule   = cutlass::epilogue::TmaWarpSpecializedCooperative;    // matches the mainloop
+  using TileScheduler      = cutlass::gemm::StreamKScheduler;               // persistent; DP / split-K / stream-K at run time
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      ArchTag, OperatorClass, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementCompute,
+      ElementC, LayoutD, AlignmentD,
+      ElementD, LayoutD, AlignmentD,
+      EpilogueSchedule>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      ArchTag, OperatorClass,
+      ElementA, LayoutA, AlignmentA,
+      ElementB, LayoutB, AlignmentB,
+      ElementAccumulator, TileShape, ClusterShape,
+      // as many pipeline stages as fit next to the epilogue's shared memory
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>,  // (M', N', K, L = 1)
+      CollectiveMainloop, CollectiveEpilogue, TileScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideC = typename Gemm::GemmKernel::StrideC;
+  using StrideD = typename Gemm::GemmKernel::StrideD;
+  using DecompositionMode = cutlass::gemm::kernel::detail::DecompositionMode;
+
+  static typename Gemm::Arguments arguments(const Problem& p) {
+    // The CUTLASS problem (M', N'): swapped, the weight rows are M' and the tokens N'.
+    const int pm = static_cast<int>(kSwapAB ? p.n : p.m);
+    const int pn = static_cast<int>(kSwapAB ? p.m : p.n);
+    const int pk = static_cast<int>(p.k);
+    const void* a = kSwapAB ? p.w : p.x;
+    const void* b = kSwapAB ? p.x : p.w;
+
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = p.device;
+    hw_info.sm_count = p.sm_count;  // cached by the dispatcher: no device query per call
+
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {pm, pn, pk, 1},
+        {static_cast<const Element*>(a), cutlass::make_cute_packed_stride(StrideA{}, {pm, pk, 1}),
+         static_cast<const Element*>(b), cutlass::make_cute_packed_stride(StrideB{}, {pn, pk, 1})},
+        {{1.0f, 0.0f},
+         nullptr, cutlass::make_cute_packed_stride(StrideC{}, {pm, pn, 1}),
+         static_cast<Element*>(p.out), cutlass::make_cute_packed_stride(StrideD{}, {pm, pn, 1})},
+        hw_info};
+    switch (p.decomposition) {
+      case Decomposition::kDataParallel:
+        args.scheduler.decomposition_mode = DecompositionMode::DataParallel;
+        break;
+      case Decomposition::kSplitK:
+        args.scheduler.decomposition_mode = DecompositionMode::SplitK;
+        args.scheduler.splits = p.splits;
+        break;
+      case Decomposition::kStreamK:
+        args.scheduler.decomposition_mode = DecompositionMode::StreamK;
+        break;
+      default:
+        args.scheduler.decomposition_mode = DecompositionMode::Heuristic;
+        break;
+    }
+    return args;
+  }
+
+  static size_t workspace_size(const Problem& p) { return Gemm::get_workspace_size(arguments(p)); }
+
+  static cudaError_t run(const Problem& p) {
+    auto args = arguments(p);
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
+    if (Gemm::get_workspace_size(args) > p.workspace_bytes) return cudaErrorInvalidValue;
+    Gemm gemm;
+    // initialize zeroes the stream-K barriers with cudaMemsetAsync on the stream: graph-capturable.
+    if (gemm.initialize(args, p.workspace, p.stream) != cutlass::Status::kSuccess) {
+      cudaError_t err = cudaGetLastError();
+      return err != cudaSuccess ? err : cudaErrorUnknown;
+    }
+    if (gemm.run(p.stream) != cutlass::Status::kSuccess) {
+      cudaError_t err = cudaGetLastError();
+      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+    }
+    return cudaGetLastError();
+  }
+};
+
+}  // namespace qwen3_kernels::qkv_gemm_detail

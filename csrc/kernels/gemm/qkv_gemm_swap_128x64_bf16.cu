@@ -1,0 +1,16 @@
+// qkv_gemm configuration "swap_128x64", bf16: decode (M <= 64): 128 weight rows x 64 tokens per tile;
+// no cluster: the token operand is tiny, nothing worth multicasting.
+// The template and what it shows: qkv_gemm_sm90.cuh; when it is chosen: the table in qkv_gemm.cu.
+#include "qkv_gemm_sm90.cuh"
+
+namespace qwen3_kernels::qkv_gemm_detail {
+
+using Sm90_swap_128x64_bf16 = Sm90Gemm<cutlass::bfloat16_t,  // x, w, out
+                            cute::Shape<cute::_128, cute::_64, cute::_64>,  // tile (M', N', K)
+                            cute::Shape<cute::_1, cute::_1, cute::_1>,  // cluster
+                            true>;  // swapped: out^T = w @ x^T
+
+size_t sm90_swap_128x64_bf16_workspace(const Problem& p) { return Sm90_swap_128x64_bf16::workspace_size(p); }
+cudaError_t sm90_swap_128x64_bf16(const Problem& p) { return Sm90_swap_128x64_bf16::run(p); }
+
+}  // namespace qwen3_kernels::qkv_gemm_detail

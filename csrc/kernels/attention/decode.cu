@@ -16,7 +16,8 @@
 //     re-reading the K/V: a case Qwen3 does not have).
 //   * The keys of a sequence are cut into tiles of 16 (the smallest block size, so a tile never spans
 //     two cache blocks: one block-table lookup per tile). The tiles are divided evenly among the
-//     splits, using the sequence's real length read on the device: the split count itself is chosen
+//     splits (at least 16 tiles a split: a short sequence leaves the last splits empty), using the
+//     sequence's real length read on the device: the split count itself is chosen
 //     on the host from B, Hkv, the SM count and the context's upper bound (max_blocks * block_size),
 //     so no host sync is needed and a CUDA graph replays correctly whatever seq_lens hold.
 //   * Inside the CTA each of the 4 warps takes every 4th tile of the split and runs its own
@@ -59,6 +60,9 @@ constexpr int kMergeStride = kHeadDim + 8;      // padded fp32 row: conflict-fre
 constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
 constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 constexpr int kMaxSplits = 64;                  // combine kernel holds one weight per split
+// A split covers at least this many tiles (256 keys, 4 per warp) so short sequences use fewer
+// splits rather than many CTAs that each fill no pipeline; the splits left over exit at once.
+constexpr int kMinTilesPerSplit = kWarps * 4;
 static_assert(kThreads == kHeadDim, "the merge and combine give each thread one dim");
 static_assert(kTileElems * 2 / 16 == 8 * 32, "a tile is 8 16-byte chunks per lane");
 
@@ -181,9 +185,16 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   // This split's share of the sequence's tiles, from the length on the device.
   const int seq_len = max(0, min(p.seq_lens[b], p.ctx_cap));
   const int n_tiles = (seq_len + kTileKeys - 1) / kTileKeys;
-  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int per_split = max((n_tiles + p.num_splits - 1) / p.num_splits, kMinTilesPerSplit);
   const int tile_begin = min(split * per_split, n_tiles);
   const int tile_end = min(tile_begin + per_split, n_tiles);
+  if (kSplit && tile_begin == tile_end) {  // nothing to read: an empty partial, skipped by combine
+    if (threadIdx.x < rows) {
+      const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
+      p.ws_lse[bh * p.max_splits + split] = -INFINITY;
+    }
+    return;
+  }
   const int my_first = tile_begin + warp;  // this warp: tiles my_first, + kWarps, ... < tile_end
   const int n_mine = tile_end > my_first ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
 
@@ -474,9 +485,8 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
 // values, never on seq_lens, so it needs no sync and stays valid across CUDA graph replays.
 int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits) {
   if (base_ctas * 5 >= slots * 4) return 1;  // the batch alone fills >= 80% of a wave
-  const int min_tiles_per_split = kWarps * 4;
   const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
-  int cap = ctx_tiles / min_tiles_per_split;
+  int cap = ctx_tiles / kMinTilesPerSplit;
   cap = cap < max_splits ? cap : max_splits;
   cap = cap < kMaxSplits ? cap : kMaxSplits;
   if (cap <= 1) return 1;

@@ -1,0 +1,146 @@
+"""qkv_gemm vs cuBLAS (torch.matmul) on the Qwen3 fused-QKV shapes, and every configuration.
+
+    cd benchmarks && pytest -q -s bench_qkv_gemm.py                  # both parts
+    cd benchmarks && pytest -q -s bench_qkv_gemm.py -k vs_cublas     # ours (the table's choice) vs cuBLAS
+    cd benchmarks && pytest -q -s bench_qkv_gemm.py -k configs       # every config, best per case
+
+out[T, N] = x[T, K] @ w[N, K]^T in bf16. Each case rotates (x, w, out) sets that together exceed
+the 60 MB L2 several times, so the weight streams from HBM as it does in a real forward pass, and
+cuBLAS runs on the same sets in the same process. Small T report TB/s of the bytes that must move
+(the weight, plus x and out); large T report TFLOP/s (2 * T * N * K).
+Goals (TARGETS.md / issue 7): >= 1.3x cuBLAS and >= 3.4 TB/s for T <= 64; >= 1.0x for T >= 1024.
+
+The "configs" part times each configuration of the dispatcher (QWEN3_QKV_GEMM_FORCE) on every
+case and prints the fastest: the evidence for the choice table in csrc/kernels/gemm/qkv_gemm.cu.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shape list lives with the tests
+
+import qwen3_kernels  # noqa: E402
+from common import sets_for, time_gpu  # noqa: E402
+from tests.test_qkv_gemm import QKV_SHAPES  # noqa: E402
+
+DT = torch.bfloat16
+TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384]
+SMALL_T = 256  # up to here the GEMM is weight streaming: report TB/s
+CASES = [(model, t) for model in QKV_SHAPES for t in TOKENS]
+IDS = [f"{m}-T{t}" for m, t in CASES]
+
+# Candidates per T range for the configs sweep (config[:mode], see qkv_gemm.cu).
+def _candidates(t):
+    if t <= 64:
+        return ["splitk", "splitk:2", "splitk:4", "splitk:8", "swap_128x64:streamk",
+                "swap_128x64:heuristic", "tile_128x128:heuristic"]
+    if t <= 512:
+        return ["swap_128x64:streamk", "swap_128x64:heuristic", "tile_128x128:heuristic",
+                "tile_128x128:streamk", "tile_128x128:dp", "tile_128x256:heuristic"]
+    return ["tile_128x128:heuristic", "tile_128x128:dp", "tile_128x256:heuristic",
+            "tile_128x256:dp", "tile_128x256:streamk"]
+
+
+_VS_CUBLAS: dict = {}  # (model, t) -> (ours_s, cublas_s, rate text)
+_BEST: dict = {}  # (model, t) -> [(seconds, config)] sorted
+
+
+def _sets(t, n, k):
+    set_bytes = (n * k + t * k + t * n) * 2
+    gen = torch.Generator(device="cuda").manual_seed(t * 7 + n)
+    out = []
+    for _ in range(sets_for(set_bytes)):
+        x = torch.randn(t, k, device="cuda", generator=gen).to(DT)
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(DT)
+        out.append((x, w, torch.empty(t, n, device="cuda", dtype=DT)))
+    return out
+
+
+def _ours(sets):
+    return [lambda s=s: torch.ops.qwen3_kernels.qkv_gemm(s[2], s[0], s[1]) for s in sets]
+
+
+def _with_force(value, fn):
+    old = os.environ.get("QWEN3_QKV_GEMM_FORCE")
+    os.environ["QWEN3_QKV_GEMM_FORCE"] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["QWEN3_QKV_GEMM_FORCE"]
+        else:
+            os.environ["QWEN3_QKV_GEMM_FORCE"] = old
+
+
+def _guard(sets):
+    x, w, out = sets[0]
+    want = torch.matmul(x, w.t())
+    err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, f"our output differs from cuBLAS: relative error {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def summary():
+    yield
+    if _VS_CUBLAS:
+        print("\n\nqkv_gemm vs cuBLAS, bf16 (us ours / us cuBLAS, speed-up, rate)")
+        models = list(QKV_SHAPES)
+        print("| T | " + " | ".join(f"{m} N={QKV_SHAPES[m][0]} K={QKV_SHAPES[m][1]}" for m in models) + " |")
+        print("|---" * (len(models) + 1) + "|")
+        for t in TOKENS:
+            cells = []
+            for m in models:
+                r = _VS_CUBLAS.get((m, t))
+                cells.append("" if r is None else f"{r[0] * 1e6:.1f} / {r[1] * 1e6:.1f}, "
+                             f"{r[1] / r[0]:.2f}x, {r[2]}")
+            print(f"| {t} | " + " | ".join(cells) + " |")
+    if _BEST:
+        print("\n\nqkv_gemm configurations: fastest per case (us), runner-up in brackets")
+        for (m, t), ranked in sorted(_BEST.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            best = ranked[0]
+            second = f" [{ranked[1][1]} {ranked[1][0] * 1e6:.1f}]" if len(ranked) > 1 else ""
+            print(f"T={t:>5} {m:>5}: {best[1]:<24} {best[0] * 1e6:8.1f}{second}")
+
+
+@pytest.mark.parametrize("model,t", CASES, ids=IDS)
+def test_qkv_gemm_vs_cublas(model, t, report, summary):
+    n, k = QKV_SHAPES[model]
+    sets = _sets(t, n, k)
+    calls = max(len(sets), 8)
+    ours = time_gpu(_ours(sets), calls_per_replay=calls)
+    _guard(sets)
+    base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
+                    calls_per_replay=calls)
+    nbytes = (n * k + t * k + t * n) * 2
+    flops = 2 * t * n * k
+    row = report("qkv_gemm", f"{model} N={n} K={k} T={t}", ours, {"cublas": base},
+                 nbytes=nbytes if t <= SMALL_T else None, flops=flops if t > SMALL_T else None)
+    rate = f"{row['tbs']:.2f} TB/s" if "tbs" in row else f"{row['tflops']:.0f} TFLOP/s"
+    _VS_CUBLAS[(model, t)] = (ours, base, rate)
+
+
+@pytest.mark.parametrize("model,t", CASES, ids=IDS)
+def test_qkv_gemm_configs(model, t, summary):
+    n, k = QKV_SHAPES[model]
+    sets = _sets(t, n, k)
+    calls = max(len(sets), 8)
+    times = []
+    for config in _candidates(t):
+        def run():
+            s = time_gpu(_ours(sets), calls_per_replay=calls)
+            _guard(sets)
+            return s
+        try:
+            times.append((_with_force(config, run), config))
+        except Exception as e:  # noqa: BLE001 - a config that cannot run this case is skipped
+            print(f"\n[configs] {model} T={t} {config}: {type(e).__name__}: {str(e)[:100]}")
+    times.sort()
+    _BEST[(model, t)] = times
+    nbytes = (n * k + t * k + t * n) * 2
+    line = ", ".join(f"{c} {s * 1e6:.1f}" for s, c in times)
+    print(f"\n[configs] {model} N={n} K={k} T={t}: {line}  -> best {times[0][1]} "
+          f"({nbytes / times[0][0] / 1e12:.2f} TB/s, {2 * t * n * k / times[0][0] / 1e12:.0f} TFLOP/s)")

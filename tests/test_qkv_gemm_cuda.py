@@ -1,0 +1,157 @@
+"""CUDA: qkv_gemm vs the fp32 reference, held to the FlashAttention-3 rule.
+
+Our error (vs x.float() @ w.float().T) must be at most twice cuBLAS's error doing the same GEMM
+in the same 16-bit dtype (torch.matmul), plus a tiny epsilon; measured as the max abs error and as
+the relative Frobenius error. Outputs are poisoned with NaN first so an unwritten element fails.
+Every configuration of the dispatcher (QWEN3_QKV_GEMM_FORCE) is tested on its own as well, so
+the choice table can change without losing coverage.
+"""
+
+import pytest
+import torch
+
+import qwen3_kernels
+from tests.helpers import rel_err, requires_cuda
+from tests.test_qkv_gemm import QKV_SHAPES, TOKENS
+
+pytestmark = requires_cuda
+
+# Every T on two shapes (the smallest and the most common large one); a spread on the others.
+SOME_TOKENS = [1, 16, 33, 64, 256, 1024, 4096]
+CASES = [
+    (model, t)
+    for model in QKV_SHAPES
+    for t in (TOKENS if model in ("0.6B", "8B") else SOME_TOKENS)
+]
+CASES.append(("32B", 16384))
+
+
+def _inputs(t, n, k, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(t, k, device="cuda", dtype=torch.float32, generator=g).to(dtype)
+    w = (torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) * k**-0.5).to(dtype)
+    return x, w
+
+
+def _check(x, w, out):
+    """The FA3 rule against cuBLAS in the same dtype, both vs fp32; every element written."""
+    assert not out.isnan().any(), "some outputs were not written (still NaN)"
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        want = x.float() @ w.float().t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    cublas = torch.matmul(x, w.t())
+    ours_max = (out.float() - want).abs().max().item()
+    base_max = (cublas.float() - want).abs().max().item()
+    eps = 1e-5 * want.abs().max().item() + 1e-6
+    assert ours_max <= 2 * base_max + eps, (ours_max, base_max)
+    ours_rel, base_rel = rel_err(out, want), rel_err(cublas, want)
+    assert ours_rel <= 2 * base_rel + 1e-6, (ours_rel, base_rel)
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """Pin the dispatcher to one configuration for the test (read by the launcher per call)."""
+    def set_config(value):
+        monkeypatch.setenv("QWEN3_QKV_GEMM_FORCE", value)
+    monkeypatch.delenv("QWEN3_QKV_GEMM_FORCE", raising=False)
+    return set_config
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model,t", CASES, ids=[f"{m}-T{t}" for m, t in CASES])
+def test_qkv_gemm_qwen3_shapes(model, t, dtype, force):
+    n, k = QKV_SHAPES[model]
+    x, w = _inputs(t, n, k, dtype)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
+    qwen3_kernels.qkv_gemm(x, w, out=out)
+    _check(x, w, out)
+
+
+# (config, T, N, K): each configuration on its own, with odd sizes on purpose: N not a multiple
+# of 64 / 128 (partial row blocks and tiles), K not a multiple of 64 / 128 (K tails), T that fill
+# no tile exactly.
+FORCED = [
+    ("splitk", t, n, k)
+    for t in (1, 5, 8, 9, 16, 17, 32, 33, 64)
+    for n, k in ((6144, 4096), (72, 1032), (4104, 200))
+] + [
+    (f"splitk:{s}", 13, 1032, 2056) for s in (1, 2, 3, 5, 8)
+] + [
+    (f"swap_128x64:{mode}", t, n, k)
+    for mode in ("streamk", "heuristic", "dp", "split3")
+    for t, n, k in ((1, 6144, 4096), (33, 4104, 1032), (64, 72, 2056))
+] + [
+    (f"{cfg}:{mode}", t, n, k)
+    for cfg in ("tile_128x128", "tile_128x256")
+    for mode in ("heuristic", "dp", "streamk", "split2")
+    for t, n, k in ((1, 4096, 1024), (65, 6144, 2560), (777, 4104, 1032), (2048, 10240, 5120))
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config,t,n,k", FORCED, ids=[f"{c}-T{t}-N{n}-K{k}" for c, t, n, k in FORCED])
+def test_qkv_gemm_each_config(config, t, n, k, dtype, force):
+    force(config)
+    x, w = _inputs(t, n, k, dtype, seed=t + n + k)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
+    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    _check(x, w, out)
+
+
+def test_qkv_gemm_in_a_cuda_graph(force):
+    # Decode runs from captured graphs: the stream-K workspace comes from the caching allocator
+    # and the barrier reset is a memset node, so replays must stay correct with fresh inputs.
+    n, k = QKV_SHAPES["8B"]
+    for config in ("auto", "splitk", "swap_128x64:streamk", "tile_128x128:streamk"):
+        force(config)
+        x, w = _inputs(16, n, k, torch.bfloat16)
+        out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
+        qwen3_kernels.qkv_gemm(x, w, out=out)  # warm-up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        for seed in (1, 2):
+            x2, w2 = _inputs(16, n, k, torch.bfloat16, seed=seed)
+            x.copy_(x2)
+            w.copy_(w2)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            _check(x, w, out)
+
+
+def test_qkv_gemm_opcheck():
+    n, k = 4104, 1032
+    for t in (3, 300):
+        x, w = _inputs(t, n, k, torch.bfloat16)
+        out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+        torch.library.opcheck(torch.ops.qwen3_kernels.qkv_gemm, (out, x, w))
+
+
+def test_qkv_gemm_under_torch_compile():
+    x, w = _inputs(8, 4096, 1024, torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def f(x, w):
+        out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        return out
+
+    _check(x, w, f(x, w))
+
+
+def test_qkv_gemm_rejects_misaligned_and_refused(force):
+    buf = torch.randn(8 * 64 + 4, device="cuda").to(torch.bfloat16)
+    x = buf[4:].view(8, 64)  # contiguous, but 8 bytes past an aligned start
+    w = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
+    out = torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    force("splitk")  # the hand-written kernel covers M <= 64 only
+    x, w = _inputs(65, 64, 64, torch.bfloat16)
+    out = torch.empty(65, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot run M=65"):
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)

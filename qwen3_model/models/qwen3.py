@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qwen3_model.distributed import get_tp_world_size
+from qwen3_model.distributed import divide, get_tp_world_size
 from qwen3_model.layers.activation import SiluAndMul
 from qwen3_model.layers.attention import Attention, qkv_projection
 from qwen3_model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -38,6 +38,18 @@ def check_qwen3_config(config) -> None:
     if kv < 1 or heads % kv:
         raise ValueError(
             f"Qwen3 model: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})"
+        )
+    # Tensor parallel: heads, the MLP and the vocab split evenly (no padding); fewer kv heads than
+    # ranks are replicated, which needs the rank count to be a multiple of them.
+    tp = get_tp_world_size()
+    for field in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        divide(getattr(config, field), tp, f"Qwen3 config {field}")
+    if kv >= tp:
+        divide(kv, tp, "Qwen3 config num_key_value_heads")
+    elif tp % kv:
+        raise ValueError(
+            f"Qwen3 config num_key_value_heads ({kv}) is smaller than the tensor-parallel size ({tp}) "
+            f"and does not divide it, so kv heads cannot be replicated evenly"
         )
 
 

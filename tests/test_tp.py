@@ -1,0 +1,124 @@
+"""Tensor parallel 2 over gloo on the CPU gives the logits of world size 1.
+
+Two processes (torch.multiprocessing spawn), each loading its slices of tiny checkpoints through the
+same loader, run the same steps as one process does: a two-sequence prefill, then a step mixing a
+new prefill with two decodes. Covers kv heads split (GQA 4:1, 5:1, MHA with biases) and kv heads
+replicated (one kv head on two ranks). Non-divisible head counts / vocab / MLP fail clearly.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from qwen3_model.loader import load_hf_config, load_model
+from qwen3_model.models.qwen3 import Qwen3ForCausalLM
+from tests.helpers import rel_err
+from tests.paged_runner import PagedRunner
+from tests.qwen3_tiny import TINY_CONFIGS, make_tiny_qwen3, tiny_config
+
+WORLD = 2
+CASES = {
+    "untied_gqa4_sharded": TINY_CONFIGS["untied_gqa4_sharded"],
+    "tied_gqa5_sharded": TINY_CONFIGS["tied_gqa5_sharded"],
+    "untied_mha_bias": TINY_CONFIGS["untied_mha_bias"],
+    "tied_mqa_replicated_kv": dict(TINY_CONFIGS["tied_gqa2"], num_key_value_heads=1),
+}
+# config overrides that cannot split over 2 ranks -> the message each must give
+NOT_DIVISIBLE = {
+    "heads": (dict(num_attention_heads=3, num_key_value_heads=1), "num_attention_heads (3) is not divisible"),
+    "kv_heads": (dict(num_attention_heads=6, num_key_value_heads=3), "num_key_value_heads (3) is not divisible"),
+    "vocab": (dict(vocab_size=255), "vocab_size (255) is not divisible"),
+    "mlp": (dict(intermediate_size=97), "intermediate_size (97) is not divisible"),
+}
+
+
+def run_steps(model, vocab):
+    """The same fixed steps on every rank and world size -> (logits or None, last hidden)."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(0, vocab, (n,), generator=g).tolist() for n in (13, 29, 7))
+    runner = PagedRunner(model, num_blocks=16, block_size=16, seed=1)
+    h1, _ = runner.step(prefills=[(0, a), (1, b)])
+    h2, _ = runner.step(prefills=[(2, c)], decodes=[(0, 5), (1, 9)])
+    hidden = torch.cat([h1, h2])
+    with torch.no_grad():
+        return model.compute_logits(hidden), hidden
+
+
+def load_ours(path):
+    model = Qwen3ForCausalLM(load_hf_config(path))
+    load_model(model, path)
+    return model
+
+
+def _worker(rank, world, port, paths, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for name, path in paths.items():
+            model = load_ours(path)
+            logits, hidden = run_steps(model, model.config.vocab_size)
+            attn = model.model.layers[0].self_attn
+            results[name] = {"logits": logits, "hidden": hidden, "heads": (attn.num_heads, attn.num_kv_heads),
+                             "vocab_rows": model.lm_head.weight.shape[0]}
+        errors = {}
+        for label, (overrides, _) in NOT_DIVISIBLE.items():
+            try:
+                Qwen3ForCausalLM(tiny_config("tied_gqa2", **overrides))
+                errors[label] = None
+            except ValueError as e:
+                errors[label] = str(e)
+        torch.save({"results": results, "errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    paths = {}
+    for i, (name, spec) in enumerate(CASES.items()):
+        paths[name] = str(tmp_path_factory.mktemp(name))
+        make_tiny_qwen3(paths[name], spec, seed=10 + i)
+    out_dir = str(tmp_path_factory.mktemp("tp_out"))
+    mp.spawn(_worker, args=(WORLD, free_port(), paths, out_dir), nprocs=WORLD, join=True)
+    ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    return paths, ranks
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp2_logits_match_world_size_1(tp_run, name):
+    paths, ranks = tp_run
+    want_logits, want_hidden = run_steps(load_ours(paths[name]), CASES[name]["vocab_size"])
+    got = ranks[0]["results"][name]["logits"]
+    assert got.shape == want_logits.shape
+    err = rel_err(got, want_logits)
+    assert err <= 1e-5, f"{name}: TP=2 logits differ from world size 1 by rel err {err:.2e}"
+    spec = CASES[name]
+    kv_local = max(1, spec["num_key_value_heads"] // WORLD)
+    for r in range(WORLD):  # the split really happened
+        assert ranks[r]["results"][name]["heads"] == (spec["num_attention_heads"] // WORLD, kv_local)
+        assert ranks[r]["results"][name]["vocab_rows"] == spec["vocab_size"] // WORLD
+    for r in range(1, WORLD):
+        assert ranks[r]["results"][name]["logits"] is None  # only rank 0 gets the full vocab
+    for r in range(WORLD):  # every rank ends with the same full hidden state
+        assert rel_err(ranks[r]["results"][name]["hidden"], want_hidden) <= 1e-5
+
+
+@pytest.mark.parametrize("label", list(NOT_DIVISIBLE))
+def test_tp2_not_divisible_raises_clearly(tp_run, label):
+    _, ranks = tp_run
+    msg = ranks[0]["errors"][label]
+    assert msg is not None, f"{label}: building the model at TP=2 did not raise"
+    assert NOT_DIVISIBLE[label][1] in msg and "tensor-parallel size (2)" in msg, msg

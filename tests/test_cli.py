@@ -1,0 +1,85 @@
+"""``python -m qwen3_model``: the no-model demo runs the whole loop in under a minute on a CPU;
+``--help`` documents every option; a checkpoint with a tokenizer generates from prompts and --chat."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "qwen3_model", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - start
+
+
+def test_no_arguments_runs_the_random_demo_in_under_a_minute():
+    proc, seconds = run_cli("--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RANDOM-WEIGHT Qwen3" in proc.stdout  # says plainly what it is
+    assert "output tok/s" in proc.stdout and "12 requests" in proc.stdout
+    assert seconds < 60, f"took {seconds:.1f} s"
+
+
+def test_help_lists_every_option():
+    from qwen3_model.__main__ import build_parser
+
+    text = build_parser().format_help()
+    for flag in ["--model", "--prompts-file", "--chat", "--stream", "--temperature", "--top-k",
+                 "--top-p", "--min-p", "--seed", "--max-tokens", "--min-tokens", "--ignore-eos",
+                 "--stop", "--stop-token-id", "--dtype", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
+                 "--enforce-eager", "--no-prefix-caching", "--tensor-parallel-size"]:
+        assert flag in text, flag
+
+
+# The rest runs main() in this process: a subprocess pays the torch + transformers import again.
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import torch
+
+    from qwen3_model.random_checkpoint import write_random_checkpoint
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add OpenMP spin-waits
+    path = tmp_path_factory.mktemp("cli")
+    write_random_checkpoint(path, "demo", num_hidden_layers=1)
+    yield str(path)
+    torch.set_num_threads(before)
+
+
+SMALL = ["--block-size", "16", "--max-num-seqs", "8", "--max-model-len", "256", "--no-progress"]
+
+
+def test_model_prompts_from_args_and_file_with_chat(ckpt, tmp_path, capsys):
+    from qwen3_model.__main__ import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    main(["--model", ckpt, "third", "--prompts-file", str(prompts), "--chat", "--temperature", "0",
+          "--max-tokens", "5", "--ignore-eos", *SMALL])
+    out = capsys.readouterr().out
+    assert "3 requests" in out and "15 output tokens" in out
+    assert "<|im_start|>user\nsecond prompt<|im_end|>" in out  # the chat template applied
+
+
+def test_stream_and_bad_arguments(ckpt, capsys):
+    from qwen3_model.__main__ import main
+
+    main(["--model", ckpt, "hello", "--stream", "--temperature", "0", "--max-tokens", "4",
+          "--ignore-eos", *SMALL])
+    assert "[4 tokens in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="SamplingParams.top_p"):
+        main(["--model", ckpt, "hello", "--top-p", "0", *SMALL])
+    with pytest.raises(SystemExit, match="give prompts"):
+        main(["--model", ckpt, *SMALL])

@@ -186,7 +186,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   const int seq_len = max(0, min(p.seq_lens[b], p.ctx_cap));
   const int n_tiles = (seq_len + kTileKeys - 1) / kTileKeys;
   const int per_split = max((n_tiles + p.num_splits - 1) / p.num_splits, kMinTilesPerSplit);
-  const int tile_begin = min(split * per_split, n_tiles);
+  // (0 without splits, known at compile time, so the first block-table reads need not wait for
+  // seq_lens to arrive)
+  const int tile_begin = kSplit ? min(split * per_split, n_tiles) : 0;
   const int tile_end = min(tile_begin + per_split, n_tiles);
   if (kSplit && tile_begin == tile_end) {  // nothing to read: an empty partial, skipped by combine
     if (threadIdx.x < rows) {
@@ -221,9 +223,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   const int lane_chunk = lane & 15;  // each lane copies 16-byte chunk lane_chunk of rows lane/16 + 2j
 
   // The block id of the i-th tile of this warp, read one tile ahead of its copy so the copy never
-  // waits on the block-table load.
+  // waits on the block-table load. The index is clamped to the table rather than checked against
+  // n_mine, so the read does not wait on seq_len either; ids past n_mine are never used.
   auto block_of = [&](int i) -> int {
-    return i < n_mine ? table[(my_first + i * kWarps) * kTileKeys / p.block_size] : 0;
+    return table[min((my_first + i * kWarps) * kTileKeys / p.block_size, p.max_blocks - 1)];
   };
   auto issue = [&](int i, int block) {
     const int key0 = (my_first + i * kWarps) * kTileKeys;

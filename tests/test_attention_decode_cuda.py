@@ -201,3 +201,16 @@ def test_decode_torch_compile_fullgraph():
     got = f(q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
             torch.empty_like(q), decode_workspace(3, 16, D, "cuda"))
     assert torch.equal(got, out.float())
+
+
+@pytest.mark.parametrize("d,block_size,match", [(64, 16, "head_dim 128"), (128, 8, "multiple of 16")])
+def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
+    # torch.ops callers bypass the wrapper's reference fallback: they get a clear error instead
+    q = torch.randn(2, 4, d, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(4, block_size, 2, d, device="cuda", dtype=torch.bfloat16)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
+    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    ws = torch.empty(2, 4, 8, d + 1, device="cuda")
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.qwen3_kernels.paged_attention_decode(torch.empty_like(q), q, kc, kc.clone(), bt,
+                                                       lens, 0.1, ws)

@@ -203,7 +203,8 @@ def test_decode_torch_compile_fullgraph():
     assert torch.equal(got, out.float())
 
 
-@pytest.mark.parametrize("d,block_size,match", [(64, 16, "head_dim 128"), (128, 8, "multiple of 16")])
+@pytest.mark.parametrize("d,block_size,match", [(64, 16, "head_dim 128"), (128, 8, "block_size"),
+                                                   (128, 24, "block_size")])
 def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
     # torch.ops callers bypass the wrapper's reference fallback: they get a clear error instead
     q = torch.randn(2, 4, d, device="cuda", dtype=torch.bfloat16)

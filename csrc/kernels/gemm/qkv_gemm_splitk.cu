@@ -63,7 +63,7 @@ template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], uint32_t a0, uint32_t a1,
                                                          uint32_t a2, uint32_t a3, uint32_t b0,
                                                          uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -74,7 +74,7 @@ template <>
 __device__ __forceinline__ void mma_16816<__half>(float (&c)[4], uint32_t a0, uint32_t a1,
                                                   uint32_t a2, uint32_t a3, uint32_t b0,
                                                   uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
                   const T* __restrict__ x,    // [m, k], m <= 8 * NT
                   const T* __restrict__ w,    // [n, k]
                   int m, int n, int k,
-                  int k_chunk) {              // columns per split, a multiple of 32
+                  int k_chunk) {              // columns per split, a multiple of 8
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   __shared__ __align__(16) float red[8 * NT][kRedStride];
@@ -129,51 +129,38 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  // Main loop, 128 columns a step, software-pipelined: the next step's 8 loads per thread are
-  // issued before this step's mmas, so each warp keeps 2 x 4 KB of weight in flight.
-  int kk = kb;
+  // 128 columns a step, software-pipelined: the next step's 8 loads per thread are issued before
+  // this step's mmas, so each warp keeps up to 2 x 4 KB of weight in flight. The last step of a
+  // split may be partial: a thread's 8 columns are all in or all out (k % 8 == 0), and columns
+  // out of range load as zeros on both operands.
   uint4 cur_lo[4], cur_hi[4];
-  if (kk + kKStep <= ke) {
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const bool valid = kb + 32 * u + 8 * t < ke;
+    cur_lo[u] = valid ? load_stream(w_lo + kb + 32 * u) : make_uint4(0, 0, 0, 0);
+    cur_hi[u] = valid ? load_stream(w_hi + kb + 32 * u) : make_uint4(0, 0, 0, 0);
+  }
+  for (int kk = kb; kk < ke; kk += kKStep) {
+    const int kn = kk + kKStep;
+    uint4 nxt_lo[4], nxt_hi[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      cur_lo[u] = load_stream(w_lo + kk + 32 * u);
-      cur_hi[u] = load_stream(w_hi + kk + 32 * u);
-    }
-  }
-  for (; kk + kKStep <= ke; kk += kKStep) {
-    uint4 nxt_lo[4], nxt_hi[4];
-    const bool more = kk + 2 * kKStep <= ke;
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        nxt_lo[u] = load_stream(w_lo + kk + kKStep + 32 * u);
-        nxt_hi[u] = load_stream(w_hi + kk + kKStep + 32 * u);
-      }
+      const bool valid = kn + 32 * u + 8 * t < ke;
+      nxt_lo[u] = valid ? load_stream(w_lo + kn + 32 * u) : make_uint4(0, 0, 0, 0);
+      nxt_hi[u] = valid ? load_stream(w_hi + kn + 32 * u) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const T* xr[NT];
 #pragma unroll
       for (int j = 0; j < NT; ++j) xr[j] = x_rows[j] + kk + 32 * u;
-      mma_k32<T, NT>(acc, cur_lo[u], cur_hi[u], xr, true);
+      mma_k32<T, NT>(acc, cur_lo[u], cur_hi[u], xr, kk + 32 * u + 8 * t < ke);
     }
-    if (more) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        cur_lo[u] = nxt_lo[u];
-        cur_hi[u] = nxt_hi[u];
-      }
+    for (int u = 0; u < 4; ++u) {
+      cur_lo[u] = nxt_lo[u];
+      cur_hi[u] = nxt_hi[u];
     }
-  }
-  // Tail: 32 columns at a time; a thread's 8 columns are all in or all out (k % 8 == 0).
-  for (; kk < ke; kk += 32) {
-    const bool valid = kk + 8 * t < ke;
-    const uint4 lo = valid ? load_stream(w_lo + kk) : make_uint4(0, 0, 0, 0);
-    const uint4 hi = valid ? load_stream(w_hi + kk) : make_uint4(0, 0, 0, 0);
-    const T* xr[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) xr[j] = x_rows[j] + kk;
-    mma_k32<T, NT>(acc, lo, hi, xr, valid);
   }
 
   // Partial sums to shared memory as [token][row]: c0, c1 are (row g, tokens 2t, 2t+1) and
@@ -217,8 +204,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
 template <typename T, int NT>
 cudaError_t launch(const Problem& p, int splits) {
   const int k = static_cast<int>(p.k);
-  // Columns per split, a multiple of 32 (the tail granularity); the last split may get fewer.
-  const int k_chunk = ((k + splits - 1) / splits + 31) / 32 * 32;
+  // Columns per split, a multiple of 8 (a thread's load); the last split may get fewer.
+  const int k_chunk = ((k + splits - 1) / splits + 7) / 8 * 8;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(splits, static_cast<unsigned>((p.n + kRowsPerCta - 1) / kRowsPerCta), 1);
   cfg.blockDim = dim3(kThreads, 1, 1);

@@ -8,6 +8,9 @@ plus a tiny epsilon for the cases where both are exact.
 Every cache slot the sequences do not own is NaN, and block-table entries past a sequence's last
 block point at a NaN block, so a kernel that reads a key it must not see fails loudly. Outputs are
 NaN-poisoned before the call, so every element must be written.
+
+On Hopper the op runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 selects the
+portable mma.sync kernel (prefill.cu). The `kernel_path` fixture runs each test on both.
 """
 from __future__ import annotations
 
@@ -165,6 +168,16 @@ def check_against_reference(case, ours):
             f"sequence {b} (Lq={lq}, Lk={lk}): error {ours_err:.3e} > 2 x torch's {torch_err:.3e}")
 
 
+@pytest.fixture(params=["auto", "mma_sync"])
+def kernel_path(request, monkeypatch):
+    """auto: whatever the device picks (wgmma on sm_90); mma_sync: the portable kernel."""
+    if request.param == "mma_sync":
+        monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
+    else:
+        monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
+    return request.param
+
+
 GQA = [(8, 8), (16, 8), (32, 8), (40, 8), (64, 8), (4, 1)]  # group sizes 1, 2, 4, 5, 8, 4
 
 
@@ -187,7 +200,7 @@ def _mixed_seqs(bs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("hq,hkv", GQA)
-def test_prefill_mixed_batch(dtype, block_size, hq, hkv):
+def test_prefill_mixed_batch(dtype, block_size, hq, hkv, kernel_path):
     case = Case(_mixed_seqs(block_size), hq, hkv, block_size, dtype,
                 seed=block_size * 100 + hq).cuda()
     check_against_reference(case, run_ours(case))
@@ -196,7 +209,7 @@ def test_prefill_mixed_batch(dtype, block_size, hq, hkv):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_prefill_long_and_short_together(dtype, block_size):
+def test_prefill_long_and_short_together(dtype, block_size, kernel_path):
     seqs = [(4096, 4096), (3, 3), (1000, 3000), (1, 1), (513, 513)]
     case = Case(seqs, 32, 8, block_size, dtype, seed=7).cuda()
     check_against_reference(case, run_ours(case))
@@ -204,14 +217,14 @@ def test_prefill_long_and_short_together(dtype, block_size):
 
 @requires_cuda
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8)])
-def test_prefill_long_prefix_32k(hq, hkv):
+def test_prefill_long_prefix_32k(hq, hkv, kernel_path):
     seqs = [(64, 32768), (1, 32768)]  # short chunks over a 32k-key cached context
     case = Case(seqs, hq, hkv, 256, torch.bfloat16, seed=11).cuda()
     check_against_reference(case, run_ours(case))
 
 
 @requires_cuda
-def test_prefill_oversized_max_seqlen_q():
+def test_prefill_oversized_max_seqlen_q(kernel_path):
     """max_seqlen_q only sizes the grid: a larger value than the longest sequence is fine."""
     case = Case([(5, 20), (70, 70)], 32, 8, 16, torch.bfloat16, seed=3).cuda()
     check_against_reference(case, run_ours(case, max_seqlen_q=case.max_seqlen_q + 300))
@@ -220,7 +233,7 @@ def test_prefill_oversized_max_seqlen_q():
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_prefill_in_chunks_matches_one_shot(dtype, block_size):
+def test_prefill_in_chunks_matches_one_shot(dtype, block_size, kernel_path):
     """Chunked prefill: each call sees the keys written so far (keys beyond are still NaN)."""
     total = 1200
     chunks = [300, 1, block_size, 444, total - 745 - block_size]

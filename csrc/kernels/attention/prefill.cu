@@ -1,5 +1,7 @@
 // paged_attention_prefill: varlen causal GQA attention of new query tokens over keys read from
 // the paged KV cache, FlashAttention-2 style on mma.sync tensor cores (sm_80 and sm_90a).
+// This is the portable kernel and the entry point; on Hopper the launcher at the bottom hands the
+// call to the wgmma kernel in prefill_sm90.cu (same algorithm, same results up to rounding).
 //
 // Work split. One CTA owns BLOCK_M = 128 "packed rows" of one (sequence, kv head): packed row
 // p = token * group + h is query token `token` of the sequence and q head kv_head * group + h.
@@ -26,13 +28,15 @@
 // one FMA; P rounded to the input dtype for the P V product (as FlashAttention does); the output
 // normalised in fp32 and written with 16-byte stores through shared memory.
 #include <cfloat>
+#include <cstdlib>
 
-#include "qwen3_kernels/common.cuh"
+#include "prefill_common.cuh"
 
 namespace qwen3_kernels {
 namespace {
 
-constexpr int kHeadDim = 128;
+using namespace prefill;
+
 constexpr int kBlockM = 128;                       // packed (token, q head) rows per CTA
 constexpr int kBlockN = 64;                        // keys per K/V tile
 constexpr int kWarps = kBlockM / 16;               // one m16 MMA row block per warp
@@ -43,46 +47,11 @@ constexpr int kTileBytes = kBlockN * kRowBytes;    // 16 KiB per K or V tile
 constexpr int kSmemBytes = kQBytes + 4 * kTileBytes;  // Q + 2 K + 2 V stages = 96 KiB
 constexpr int kLoadRowsPerPass = kThreads / 16;    // 16 threads load one 256-byte row
 
-struct PrefillParams {
-  void* out;                    // [Tq, Hq, D]
-  const void* q;                // [Tq, Hq, D]
-  const void* k_cache;          // [num_blocks, block_size, Hkv, D]
-  const void* v_cache;          // [num_blocks, block_size, Hkv, D]
-  const int32_t* cu_seqlens_q;  // [B + 1]
-  const int32_t* seq_lens_k;    // [B]
-  const int32_t* block_tables;  // [B, max_blocks]
-  int num_q_heads;
-  int num_kv_heads;
-  int group;                    // num_q_heads / num_kv_heads
-  int block_size_log2;          // block_size is a power of two (16..256)
-  int max_blocks;
-  float scale_log2;             // softmax scale * log2(e): scores go straight into exp2
-};
-
 // ---- PTX wrappers -----------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows, 256 B] tile.
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
-
-// 16-byte global -> shared copy; when !valid the destination is zero-filled and nothing is read,
-// so rows past the end of a sequence are finite zeros (P = 0 times garbage V could be NaN).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -120,28 +89,6 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats -> two 16-bit values in one register (lo in the low half, as the MMA expects).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // ---- the kernel -----------------------------------------------------------------------------
@@ -441,7 +388,14 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.block_size_log2 = __builtin_ctz(static_cast<unsigned>(block_size));
   p.max_blocks = max_blocks;
   p.scale_log2 = scale * 1.4426950408889634f;
-  return QWEN3_DISPATCH_HALF(dtype, T, [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });
+  // Hopper runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 forces this file's
+  // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
+  const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
+  if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
+      prefill::sm90_available())
+    return prefill::launch_sm90(p, batch, max_seqlen_q, dtype, stream);
+  return QWEN3_DISPATCH_HALF(dtype, T,
+                             [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });
 }
 
 }  // namespace qwen3_kernels

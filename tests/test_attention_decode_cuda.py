@@ -138,9 +138,9 @@ def test_decode_cuda_graph_replay_after_lens_and_tables_change(batch):
     # and lengths, then the static buffers get the second set's values and the graph is replayed.
     hq, hkv, bs = 32, 8, 16
     rnd = random.Random(batch)
-    lens_a = [rnd.randint(1, 3000) for _ in range(batch)]
-    lens_b = [rnd.randint(1, 6000) for _ in range(batch)]
-    lens_b[0], lens_a[-1] = 6000, 1
+    lens_a = [rnd.randint(1, 1200) for _ in range(batch)]
+    lens_b = [rnd.randint(1, 2500) for _ in range(batch)]
+    lens_b[0], lens_a[-1] = 5000, 1  # the new lengths reach past every old one
     case = make_paged_kv(lens_a + lens_b, hkv, bs, device="cuda", dtype=torch.bfloat16, seed=13)
     q_all = (torch.randn(2 * batch, hq, D) * 2).to("cuda", torch.bfloat16)
     scale = 1 / math.sqrt(D)

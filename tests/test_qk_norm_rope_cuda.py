@@ -118,7 +118,8 @@ def test_one_kernel_launch(cos_sin):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call(case, q_out=q_out)
         torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("cuda", "Activity Buffer"))]  # runtime calls, profiler
     assert len(kernels) == 1 and "qk_norm_rope" in kernels[0], kernels
 
 

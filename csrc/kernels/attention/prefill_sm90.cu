@@ -12,9 +12,12 @@
 //   S = Q K^T   wgmma m64n128k16, A = Q and B = K both from shared memory ("SS"), 8 k-steps over D.
 //   O += P V    wgmma m64n128k16, A = P from registers ("RS"), B = V from shared memory read as
 //               MN-major (V is [key][d], d contiguous), 8 k-steps over the 128 keys.
-// The loads stay cp.async (16 bytes per thread, the row address looked up through the block
-// table) into the same double buffers as the portable kernel; cp.async writes through the
-// generic proxy, so each wait is followed by fence.proxy.async before wgmma (async proxy) reads.
+// Iteration n issues S(n) and then P(n-1) V(n-1), waits for S(n) only, and computes the softmax
+// of tile n while the tensor cores run P V (FlashAttention-3's intra-warpgroup overlap; the two
+// warpgroups also interleave). The loads stay cp.async (16 bytes per thread, each row's address
+// looked up through the block table) into double buffers; one CTA barrier per tile. cp.async
+// writes through the generic proxy, so each wait is followed by fence.proxy.async before wgmma
+// (the async proxy) reads the tile.
 //
 // Shared-memory tiles use GMMA's canonical K-major layout with the 128-byte swizzle: a [rows, 128]
 // tile of 16-bit values is stored as two [rows, 64] halves (d 0..63, then d 64..127); in each half
@@ -77,8 +80,10 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most N of this warp's committed wgmma groups are still pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Makes the generic-proxy writes (cp.async, st.shared) visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
@@ -266,10 +271,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
     }
   };
 
-  // Groups in flight, in commit order: {Q, K0}, {V0}, then per tile n: {K(n+1)}, {V(n+1)}.
+  // cp.async groups, in commit order: {Q, K(0)}, then in iteration n: {K(n + 1), V(n)}. V(n) is
+  // first needed by P V in iteration n + 1 (see the loop), so both loads have one iteration to land.
   load_tile(s_k, k_head, 0);
-  cp_async_commit();
-  load_tile(s_v, v_head, 0);
   cp_async_commit();
 
   const int g = lane >> 2;
@@ -283,28 +287,48 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
+  uint32_t p_frag[kBlockN / 16][4];  // P of the previous tile, the A operand of its P V
 
+  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): iteration n issues S(n) =
+  // Q K(n)^T and then O += P(n-1) V(n-1), waits only for S(n), and runs the softmax of tile n
+  // while the tensor cores work on P V. O is rescaled by tile n's alpha after P(n-1) V(n-1) has
+  // landed, which is exactly where the un-pipelined order would apply it. The last P V runs
+  // after the loop.
   for (int n = 0; n < n_tiles; ++n) {
-    const uint32_t stage_off = (n & 1) * kTileBytes;
-    const uint32_t next_off = kTileBytes - stage_off;
-    cp_async_wait<1>();  // Q and K(n) have landed (V(n) may still be in flight)
+    cp_async_wait<0>();  // K(n) and V(n - 1) have landed
     fence_proxy_async();
-    __syncthreads();     // ... for every thread; everyone's wgmmas of tile n - 1 are complete
-    if (n + 1 < n_tiles) load_tile(s_k + next_off, k_head, n + 1);
+    // Every thread's copies are visible; every warpgroup has finished S(n - 1) (K stage
+    // (n + 1) & 1) and P(n - 2) V(n - 2) (V stage n & 1), so both may be refilled.
+    __syncthreads();
+    if (n + 1 < n_tiles) load_tile(s_k + ((n + 1) & 1) * kTileBytes, k_head, n + 1);
+    load_tile(s_v + (n & 1) * kTileBytes, v_head, n);
     cp_async_commit();
 
     // S = Q K^T: this warpgroup's 64 rows x 128 keys.
     float s[64];
-    wgmma_fence();
+    const uint32_t k_stage = s_k + (n & 1) * kTileBytes;
+    fence_regs(o);
+    wgmma_fence();  // o and p_frag were written by ordinary instructions
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const uint32_t half_k = (kk >> 2), col = (kk & 3) * 32;
-      const uint64_t da = gmma_desc(s_q + half_k * (kBlockM * 128) + wg * (64 * 128) + col, 16, 1024);
-      const uint64_t db = gmma_desc(s_k + stage_off + half_k * (kBlockN * 128) + col, 16, 1024);
+      const uint32_t half_k = kk >> 2, col = (kk & 3) * 32;
+      const uint64_t da =
+          gmma_desc(s_q + half_k * (kBlockM * 128) + wg * (64 * 128) + col, 16, 1024);
+      const uint64_t db = gmma_desc(k_stage + half_k * (kBlockN * 128) + col, 16, 1024);
       wgmma_ss<T>(s, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait_all();
+    if (n > 0) {
+      // O += P(n-1) V(n-1).
+      const uint32_t v_stage = s_v + ((n - 1) & 1) * kTileBytes;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma_rs<T>(o, p_frag[kk], gmma_desc(v_stage + kk * (16 * 128), kBlockN * 128, 1024));
+      wgmma_commit();
+      wgmma_wait<1>();  // S(n) is done; P V may still run
+    } else {
+      wgmma_wait<0>();
+    }
     fence_regs(s);
 
     if (n >= n_full) {  // a tile on the diagonal (or past the sequence's last key)
@@ -319,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
     }
 
     // Online softmax (see prefill.cu): base 2, scale folded in, -inf rows kept NaN-free.
+    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = row_max[h];
@@ -328,14 +353,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      const float alpha = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
       row_max[h] = mx;
-      row_sum[h] *= alpha;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        o[4 * j + 2 * h] *= alpha;
-        o[4 * j + 2 * h + 1] *= alpha;
-      }
+      row_sum[h] *= alpha[h];
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
         float& s0 = s[4 * j + 2 * h];
@@ -346,8 +366,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
       }
     }
 
+    wgmma_wait<0>();  // P(n-1) V(n-1) has landed: p_frag and o are free
+    fence_regs(o);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      o[4 * j + 0] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
     // Two adjacent n8 accumulator tiles form the register A operand of one k16 step.
-    uint32_t p_frag[kBlockN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       p_frag[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -355,23 +383,20 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
       p_frag[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
       p_frag[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
     }
+  }
 
-    cp_async_wait<1>();  // V(n) has landed (K(n+1) may still be in flight)
+  if (n_tiles > 0) {  // the last tile's P V
+    cp_async_wait<0>();  // V(n_tiles - 1)
     fence_proxy_async();
     __syncthreads();
-    if (n + 1 < n_tiles) load_tile(s_v + next_off, v_head, n + 1);
-    cp_async_commit();
-
-    // O += P V.
+    const uint32_t v_stage = s_v + ((n_tiles - 1) & 1) * kTileBytes;
     fence_regs(o);
-    wgmma_fence();  // o was rescaled and p_frag written by ordinary instructions
+    wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t dv = gmma_desc(s_v + stage_off + kk * (16 * 128), kBlockN * 128, 1024);
-      wgmma_rs<T>(o, p_frag[kk], dv);
-    }
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_rs<T>(o, p_frag[kk], gmma_desc(v_stage + kk * (16 * 128), kBlockN * 128, 1024));
     wgmma_commit();
-    wgmma_wait_all();
+    wgmma_wait<0>();
     fence_regs(o);
   }
   cp_async_wait<0>();

@@ -12,6 +12,16 @@ from qwen3_model.models.qwen3 import Qwen3ForCausalLM
 from tests.qwen3_tiny import make_tiny_qwen3
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's
+    barriers make each op thousands of times slower; restored after this module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     """One single-file and one sharded checkpoint, written once."""

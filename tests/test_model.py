@@ -18,6 +18,16 @@ PRESETS = list(TINY_CONFIGS)
 TOL = 1e-4  # fp32, relative (TARGETS / issue 3)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's
+    barriers make each op thousands of times slower; restored after this module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """preset -> (folder, transformers model), written once per module."""

@@ -36,6 +36,16 @@ NOT_DIVISIBLE = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's
+    barriers make each op thousands of times slower; restored after this module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def run_steps(model, vocab):
     """The same fixed steps on every rank and world size -> (logits or None, last hidden)."""
     g = torch.Generator().manual_seed(0)

@@ -54,7 +54,7 @@ def check_qwen3_config(config) -> None:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
         head_dim = head_dim_of(config)
         eps = config.rms_norm_eps
@@ -68,7 +68,7 @@ class Qwen3Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
@@ -90,9 +90,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, rotary_emb)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -114,7 +114,9 @@ class Qwen3Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        # [max_position, head_dim] fp32, built once: a copy per layer would cost ~0.6 GB at 28 layers
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

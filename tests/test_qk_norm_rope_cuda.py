@@ -78,7 +78,7 @@ def test_matches_reference(t, hq, hkv, block_size, dtype, cos_sin):
     pad = 64 if block_size == 16 else 0
     case = make_case(t, hq, hkv, block_size=block_size, dtype=dtype, device="cuda",
                      qkv_row_pad=pad, seed=t * 7 + hq + block_size, cos_sin=cos_sin)
-    assert case["qkv"].is_contiguous() == (pad == 0)
+    assert case["qkv"].is_contiguous() == (pad == 0 or t == 1)  # one row is always contiguous
     q_out = torch.full((t, hq, 128), float("nan"), dtype=dtype, device="cuda")
     q = call(case, q_out=q_out)
     assert q.data_ptr() == q_out.data_ptr()

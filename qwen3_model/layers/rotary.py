@@ -96,7 +96,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inv_freq(head_dim, params, max_position)
         # Built on the CPU in fp32 whatever the defaults are, so every device gets the same table.
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+        freqs = torch.outer(t, inv_freq.to("cpu"))  # [max_position, head_dim / 2]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scale
         device = torch.empty(0).device  # the current default device
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)

@@ -1,0 +1,280 @@
+"""Engine throughput: the nano-vllm bench workload, and batch-1 decode, at real Qwen3 shapes.
+
+    cd benchmarks
+    python bench_engine.py --size 0.6B                       # 256 requests, output tok/s
+    python bench_engine.py --size 0.6B --baseline hf         # + transformers generate_batch, ratio
+    python bench_engine.py --size 8B --num-seqs 64           # a smaller run of the same workload
+    python bench_engine.py --size 8B --batch1                # 128-token prompt, 512 new tokens
+    python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
+
+The workload (TARGETS.md, as nano-vllm's bench.py): 256 requests, seed 0, prompt lengths uniform
+in [100, 1024] of random token ids in [0, 10000], max_tokens uniform in [100, 1024], ignore_eos,
+temperature 0.6; throughput = output tokens / wall time of one ``generate`` after a warm-up.
+
+--size writes a config.json at the real shape (bf16) to a temp dir and runs it with random weights
+(load_format="dummy"): the speed is the same as a trained checkpoint's, with ignore_eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qwen3_model.llm import LLM  # noqa: E402
+from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  # noqa: E402
+from qwen3_model.sampling_params import SamplingParams  # noqa: E402
+
+H200_READ_TBS = 4.31  # TARGETS.md: read-only reduction over 2 GiB, the practical read ceiling
+
+
+def nano_vllm_workload(num_seqs: int = 256, seed: int = 0, max_input_len: int = 1024,
+                       max_output_len: int = 1024):
+    """-> (prompts as token-id lists, max_tokens per request), drawn in nano-vllm's order."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))]
+               for _ in range(num_seqs)]
+    max_tokens = [rng.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except an untied input
+    embedding (a lookup reads one row); a tied table is read once, as the LM head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
+    if not getattr(model, "tie_word_embeddings", False):
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_gpu():
+    """Give the memory of objects the caller has just dropped back (the next engine needs it)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+def make_llm(path: str, args, dummy: bool) -> LLM:
+    kw = dict(max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kvcache_block_size=args.block_size, dtype=args.dtype)
+    if dummy:
+        kw["load_format"] = "dummy"
+    start = time.perf_counter()
+    llm = LLM(path, **kw)
+    print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.model_runner.num_blocks} KV "
+          f"blocks of {args.block_size} tokens, CUDA graphs for "
+          f"{len(llm.model_runner.graphs)} batch sizes", flush=True)
+    return llm
+
+
+def run_ours_throughput(llm: LLM, prompts, max_tokens) -> tuple[float, int]:
+    llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    n_out = sum(len(o.token_ids) for o in outs)
+    assert n_out == sum(max_tokens), "ignore_eos: every request must produce max_tokens"
+    return seconds, n_out
+
+
+def run_ours_batch1(llm: LLM, prompt, new_tokens: int) -> tuple[float, float]:
+    """-> (decode tok/s between the first and the last token, end-to-end tok/s)."""
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
+    llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, max_tokens=32),
+                 use_tqdm=False)  # warm-up
+    stamps = []
+    start = time.perf_counter()
+    for delta in llm.stream([prompt], sp):
+        stamps.append((time.perf_counter(), len(delta.token_ids)))
+    end = time.perf_counter()
+    n = sum(k for _, k in stamps)
+    assert n == new_tokens
+    decode = (n - stamps[0][1]) / (stamps[-1][0] - stamps[0][0])
+    return decode, n / (end - start)
+
+
+# ---- transformers -----------------------------------------------------------------------------
+
+def hf_model(path: str, dtype, attn: str | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    kw = {"dtype": dtype}
+    if attn:
+        kw["attn_implementation"] = attn
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, **kw)
+    return model.eval()
+
+
+def run_hf_throughput(path: str, dtype, prompts, max_tokens) -> tuple[float, int]:
+    """transformers' paged continuous batching (what generate_batch runs), with each request's
+    own max_new_tokens, timed from the first add to the last result."""
+    from transformers import GenerationConfig
+
+    model = hf_model(path, dtype, "paged|sdpa")
+    gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+                           max_new_tokens=max(max_tokens), eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad(), model.continuous_batching_context_manager(generation_config=gen,
+                                                                    block=True) as manager:
+        def run(reqs):
+            ids = {manager.add_request(p, max_new_tokens=m) for p, m in reqs}
+            n, done = 0, 0
+            while done < len(ids):
+                res = manager.get_result(timeout=5)
+                if res is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' generation thread died")
+                    continue
+                if res.request_id in ids and res.is_finished():
+                    if res.error:
+                        raise RuntimeError(f"transformers request failed: {res.error}")
+                    n += len(res.generated_tokens)
+                    done += 1
+            return n
+
+        run([([1, 2, 3, 4] * 8, 16)])  # warm-up
+        sync()
+        start = time.perf_counter()
+        n_out = run(list(zip(prompts, max_tokens)))
+        seconds = time.perf_counter() - start
+    del model, manager
+    free_gpu()
+    return seconds, n_out
+
+
+def run_hf_batch1(path: str, dtype, prompt, new_tokens: int) -> float:
+    model = hf_model(path, dtype, None)
+    ids = torch.tensor([prompt], device=model.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=16, min_new_tokens=16, **kw)
+        sync()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        sync()
+        seconds = time.perf_counter() - start
+    del model
+    free_gpu()
+    return new_tokens / seconds
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--size", choices=sorted(QWEN3_SIZES) + ["demo"], default="0.6B",
+                     help="random-weight Qwen3 at this real shape (demo: a tiny one, for a CPU "
+                          "smoke run)")
+    src.add_argument("--model", help="a real checkpoint folder instead of --size")
+    p.add_argument("--num-seqs", type=int, default=256, help="requests in the workload")
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--batch1", action="store_true",
+                   help="batch-1 decode instead: 128-token prompt, 512 new tokens, tok/s and "
+                        "achieved weight bandwidth")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: transformers on the same requests in the same run")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json", help="append the result as one JSON line to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("note: no CUDA device; this runs the CPU reference path and says nothing about "
+              "the kernels", flush=True)
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    with tempfile.TemporaryDirectory(prefix="qwen3-bench-") as tmp:
+        if args.model:
+            path, dummy, name = args.model, False, Path(args.model).name
+        else:
+            write_random_checkpoint(tmp, args.size, dtype=dtype, weights=False, tokenizer=False)
+            path, dummy, name = tmp, True, f"Qwen3-{args.size} (random weights)"
+        result = {"model": name, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
+                  else "cpu", "enforce_eager": args.enforce_eager}
+
+        if args.batch1:
+            llm = make_llm(path, args, dummy)
+            vocab = llm.config.hf_config.vocab_size
+            prompt = random.Random(0).choices(range(min(10000, vocab)), k=128)
+            bytes_per_token = weight_bytes_per_token(llm.model_runner.model)
+            decode_tps, e2e_tps = run_ours_batch1(llm, prompt, 512)
+            del llm
+            free_gpu()
+            bw = decode_tps * bytes_per_token / 1e12
+            print(f"\n{name}, batch 1, 128-token prompt, 512 new tokens:")
+            print(f"  ours: {decode_tps:,.1f} decode tok/s ({e2e_tps:,.1f} end to end); weights "
+                  f"{bytes_per_token / 1e9:.2f} GB/token -> {bw:.2f} TB/s = "
+                  f"{bw / H200_READ_TBS:.0%} of the {H200_READ_TBS} TB/s read ceiling "
+                  f"(roofline {H200_READ_TBS * 1e12 / bytes_per_token:,.0f} tok/s)")
+            result.update(mode="batch1", decode_tok_s=decode_tps, e2e_tok_s=e2e_tps,
+                          weight_tb_s=bw)
+            if args.baseline == "hf":
+                hf_tps = run_hf_batch1(path, dtype, prompt, 512)
+                print(f"  transformers generate: {hf_tps:,.1f} tok/s; ours / hf = "
+                      f"{e2e_tps / hf_tps:.2f}x (end to end)")
+                result.update(hf_tok_s=hf_tps)
+        else:
+            prompts, max_tokens = nano_vllm_workload(args.num_seqs, 0, args.max_input_len,
+                                                     args.max_output_len)
+            llm = make_llm(path, args, dummy)
+            vocab = llm.config.hf_config.vocab_size
+            prompts = [[t % vocab for t in p] for p in prompts]  # only the tiny demo vocab wraps
+            seconds, n_out = run_ours_throughput(llm, prompts, max_tokens)
+            sched = llm.scheduler
+            stats = dict(steps=sched.num_steps, preemptions=sched.num_preemptions,
+                         partial_prefills=sched.num_partial_prefills)
+            del llm, sched
+            free_gpu()
+            tps = n_out / seconds
+            print(f"\n{name}, {args.num_seqs} requests, {sum(map(len, prompts))} prompt tokens, "
+                  f"{n_out} output tokens:")
+            print(f"  ours: {seconds:.2f} s, {tps:,.0f} output tok/s  ({stats})")
+            result.update(mode="throughput", num_seqs=args.num_seqs, output_tokens=n_out,
+                          seconds=seconds, tok_s=tps, **stats)
+            if args.baseline == "hf" and not torch.cuda.is_available():
+                print("  transformers' continuous batching sizes its cache from GPU memory and "
+                      "does not run on CPU: baseline skipped")
+            elif args.baseline == "hf":
+                hf_s, hf_n = run_hf_throughput(path, dtype, prompts, max_tokens)
+                hf_tps = hf_n / hf_s
+                print(f"  transformers continuous batching: {hf_s:.2f} s, {hf_tps:,.0f} output "
+                      f"tok/s ({hf_n} tokens)\n  ours / hf = {tps / hf_tps:.2f}x")
+                result.update(hf_tok_s=hf_tps, ratio=tps / hf_tps)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

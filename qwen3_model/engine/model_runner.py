@@ -12,6 +12,7 @@ Rank-aware for tensor parallelism: every rank runs the forward; rank 0 samples.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -73,9 +74,26 @@ class ModelRunner:
         self.num_blocks = self.allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_batch_sizes: list[int] = []
+        self.num_graph_steps = 0
         self.last_step_used_graph = False
-        if not self.enforce_eager:
+        why_not = self._why_no_graphs()
+        if why_not and not self.enforce_eager:
+            warnings.warn(f"qwen3_model: CUDA graphs off ({why_not}); decode runs eagerly",
+                          stacklevel=2)
+        elif not self.enforce_eager:
             self.capture_cudagraph()
+
+    def _why_no_graphs(self) -> str | None:
+        """Graphs need every op on its CUDA kernel: the reference fallbacks sync with the host."""
+        if not self.use_cuda:
+            return None
+        if not qwen3_kernels.has_cuda_kernels():
+            return "the qwen3_kernels CUDA extension is not built"
+        if self.config.torch_dtype not in (torch.bfloat16, torch.float16):
+            return f"dtype {self.config.torch_dtype} runs the attention reference, not a kernel"
+        if self.head_dim != 128:
+            return f"head_dim {self.head_dim} runs the attention reference (kernels: 128)"
+        return None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -295,6 +313,7 @@ class ModelRunner:
         input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare_step(batch)
         bucket = self._graph_bucket(batch)
         self.last_step_used_graph = bucket is not None
+        self.num_graph_steps += bucket is not None
         hidden = self.run_model(input_ids, positions, ctx, bucket)
         if not sample_rows:
             return []

@@ -121,8 +121,9 @@ class Sampler(nn.Module):
         """logits [N, V] -> token ids [N] int64."""
         logits = logits.float()
         if batch.banned_rows is not None:
-            logits = logits.index_put((batch.banned_rows, batch.banned_ids),
-                                      torch.tensor(float("-inf"), device=logits.device))
+            # a Python scalar value: no host-to-device copy (and no sync) for it
+            logits = logits.clone()
+            logits[batch.banned_rows, batch.banned_ids] = float("-inf")
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         x = logits / batch.temperatures.unsqueeze(1)

@@ -42,6 +42,8 @@
 // Not checked on the device (no bound is passed, and a check would need a host sync): block_tables
 // entries must be < num_blocks. seq_lens are clamped to [0, max_blocks * block_size]; a sequence of
 // length 0 gets a zero output.
+#include <cstdlib>
+
 #include "qwen3_kernels/common.cuh"
 
 namespace qwen3_kernels {
@@ -516,6 +518,15 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, cudaStre
 
   const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
   p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits);
+  // Tuning override (benchmarks only): QWEN3_DECODE_SPLITS=n forces n splits, read once.
+  static const int forced_splits = [] {
+    const char* e = std::getenv("QWEN3_DECODE_SPLITS");
+    return e ? std::atoi(e) : 0;
+  }();
+  if (forced_splits > 0) {
+    const int cap = p.max_splits < kMaxSplits ? p.max_splits : kMaxSplits;
+    p.num_splits = forced_splits < cap ? forced_splits : cap;
+  }
   const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
   if (p.num_splits == 1) {
     paged_decode_kernel<T, false><<<grid, kThreads, kSmemBytes, stream>>>(p);

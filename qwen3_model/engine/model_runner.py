@@ -345,6 +345,34 @@ class ModelRunner:
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
 
+    def make_graph_buffers(self, max_bs: int) -> None:
+        """The static inputs / outputs every decode graph reads and writes (rows [0, bs))."""
+        dev, cfg = self.device, self.config
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32,
+                                     device=dev),
+            outputs=torch.zeros(max_bs, cfg.hf_config.hidden_size, dtype=cfg.torch_dtype,
+                                device=dev),
+        )
+
+    def graph_forward(self, bs: int) -> None:
+        """The decode forward a graph of batch size ``bs`` holds: static buffers in, static out."""
+        g = self.graph_vars
+        set_context(Context(
+            slot_mapping=g["slot_mapping"][:bs],
+            decode_seq_lens=g["seq_lens"][:bs],
+            decode_block_tables=g["block_tables"][:bs],
+            decode_workspace=None if self.workspace is None else self.workspace[:bs],
+        ))
+        try:
+            g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
+        finally:
+            reset_context()
+
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:
         """One graph per decode batch-size bucket, largest first, all in one memory pool.
@@ -356,35 +384,14 @@ class ModelRunner:
         max_bs = min(cfg.max_num_seqs, cfg.max_cudagraph_batch_size)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         self.graph_batch_sizes = sorted(set(sizes))
-        dev = self.device
-        hidden_size = cfg.hf_config.hidden_size
-        g = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            outputs=torch.zeros(max_bs, hidden_size, dtype=cfg.torch_dtype, device=dev),
-        )
-        self.graph_vars = g
+        self.make_graph_buffers(max_bs)
         pool = None
         start = time.perf_counter()
         for bs in reversed(self.graph_batch_sizes):
-            ctx = Context(
-                slot_mapping=g["slot_mapping"][:bs],
-                decode_seq_lens=g["seq_lens"][:bs],
-                decode_block_tables=g["block_tables"][:bs],
-                decode_workspace=self.workspace[:bs],
-            )
-            set_context(ctx)
-            try:
-                # warm-up outside the graph (lazy inits, autotuning), then capture
-                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
-            finally:
-                reset_context()
+            self.graph_forward(bs)  # warm-up outside the graph (lazy inits, autotuning)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.graph_forward(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph

@@ -14,12 +14,13 @@ namespace {
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
 constexpr int kThreads = 256;  // scalar path
-constexpr int kVecs = 4;        // 16-byte vectors per thread on the vector path
+constexpr int kVecs = 4;        // 16-byte vectors per thread on the vector path (large T)
+constexpr int kSmallT = 1024;   // below this many tokens: 1 vector per thread, more blocks
 
 // grid (T, chunks): each thread owns up to kVecs vectors of one row, strided by blockDim so a warp's
 // accesses stay coalesced. All loads are issued before any math: 2 x 64 bytes in flight per thread
 // is what keeps HBM busy; one vector per thread left the kernel at ~0.96x Inductor.
-template <typename T>
+template <typename T, int kVecs>
 __global__ void silu_and_mul_vec_kernel(T* __restrict__ out,        // [T, I], row stride out_stride
                                         const T* __restrict__ x,    // [T, 2I], row stride x_stride
                                         int64_t intermediate, int64_t out_stride,
@@ -33,8 +34,8 @@ __global__ void silu_and_mul_vec_kernel(T* __restrict__ out,        // [T, I], r
   for (int j = 0; j < kVecs; ++j) {
     const int v = base + j * blockDim.x;
     if (v < nvec) {
-      gate[j] = load_vec8(row + v * 8);
-      up[j] = load_vec8(row + intermediate + v * 8);
+      gate[j] = load_vec8_stream(row + v * 8);
+      up[j] = load_vec8_stream(row + intermediate + v * 8);
     }
   }
 #pragma unroll
@@ -77,14 +78,24 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t i
   int threads = kThreads;
   unsigned chunks = static_cast<unsigned>(std::min<int64_t>((intermediate + kThreads - 1) / kThreads, 65535));
   if (vec) {
-    threads = static_cast<int>(std::min<int64_t>(1024, ((nvec + kVecs - 1) / kVecs + 31) / 32 * 32));
-    chunks = static_cast<unsigned>((nvec + threads * kVecs - 1) / (threads * kVecs));
+    // Few tokens: latency bound, so spread each row over many small blocks (1 vector per thread)
+    // instead of a few deep ones; many tokens: deep threads keep more bytes in flight.
+    const int vecs = num_tokens >= kSmallT ? kVecs : 1;
+    threads = num_tokens >= kSmallT
+                  ? static_cast<int>(std::min<int64_t>(1024, ((nvec + vecs - 1) / vecs + 31) / 32 * 32))
+                  : 128;
+    chunks = static_cast<unsigned>((nvec + threads * vecs - 1) / (threads * vecs));
   }
   const dim3 grid(static_cast<unsigned>(num_tokens), chunks);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     if (vec) {
-      silu_and_mul_vec_kernel<T><<<grid, threads, 0, stream>>>(
-          static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
+      if (num_tokens >= kSmallT) {
+        silu_and_mul_vec_kernel<T, kVecs><<<grid, threads, 0, stream>>>(
+            static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
+      } else {
+        silu_and_mul_vec_kernel<T, 1><<<grid, threads, 0, stream>>>(
+            static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
+      }
     } else {
       silu_and_mul_scalar_kernel<T><<<grid, kThreads, 0, stream>>>(
           static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);

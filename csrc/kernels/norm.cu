@@ -14,6 +14,7 @@ namespace qwen3_kernels {
 namespace {
 
 constexpr int kMaxVecs = 4;  // 16-byte vectors held per thread: 4 x 8 = 32 elements
+constexpr int64_t kSmallT = 1024;  // rows below which the kernel is latency bound
 
 // Sum over the block; every thread gets the result. blockDim.x is a multiple of 32.
 __device__ __forceinline__ float block_sum(float v) {
@@ -29,7 +30,10 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // kAdd: fused_add_rms_norm (residual += x, x = norm(residual)); else out = norm(x).
-template <typename T, bool kAdd>
+// kEarlyWeight: load the weight with the row (small T: saves a dependent memory round trip after
+// the block sum); off for large T, where the weight sits in L1/L2 and the registers are better
+// spent on occupancy (measured: 4.09 -> 3.85 TB/s for fused_add_rms_norm at T=16384 with it on).
+template <typename T, bool kAdd, bool kEarlyWeight>
 __global__ void rms_norm_vec_kernel(T* __restrict__ out,             // [T, H], row stride out_stride
                                     T* __restrict__ residual,        // [T, H] (kAdd only)
                                     const T* __restrict__ x,         // [T, H], row stride x_stride
@@ -49,7 +53,7 @@ __global__ void rms_norm_vec_kernel(T* __restrict__ out,             // [T, H], 
     if (idx < nvec) {
       // The weight is loaded here, not after the reduction: at small T the kernel is latency
       // bound and a dependent load after the block sum costs a whole memory round trip.
-      w[j] = load_vec8(weight + idx * 8);
+      if constexpr (kEarlyWeight) w[j] = load_vec8(weight + idx * 8);
       v[j] = load_vec8(xr + idx * 8);
       if constexpr (kAdd) {
         const Vec8<T> r = load_vec8(rr + idx * 8);
@@ -76,6 +80,7 @@ __global__ void rms_norm_vec_kernel(T* __restrict__ out,             // [T, H], 
   for (int j = 0; j < kMaxVecs; ++j) {
     const int idx = threadIdx.x + j * blockDim.x;
     if (idx < nvec) {
+      if constexpr (!kEarlyWeight) w[j] = load_vec8(weight + idx * 8);
       Vec8<T> o;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
@@ -131,8 +136,12 @@ cudaError_t launch(void* out, void* residual, const void* x, const void* weight,
   }
   const dim3 grid(static_cast<unsigned>(num_tokens));
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    if (vec) {
-      rms_norm_vec_kernel<T, kAdd><<<grid, threads, 0, stream>>>(
+    if (vec && num_tokens < kSmallT) {
+      rms_norm_vec_kernel<T, kAdd, true><<<grid, threads, 0, stream>>>(
+          static_cast<T*>(out), static_cast<T*>(residual), static_cast<const T*>(x),
+          static_cast<const T*>(weight), hidden, out_stride, residual_stride, x_stride, eps);
+    } else if (vec) {
+      rms_norm_vec_kernel<T, kAdd, false><<<grid, threads, 0, stream>>>(
           static_cast<T*>(out), static_cast<T*>(residual), static_cast<const T*>(x),
           static_cast<const T*>(weight), hidden, out_stride, residual_stride, x_stride, eps);
     } else {

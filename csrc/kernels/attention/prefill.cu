@@ -158,9 +158,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 #pragma unroll
     for (int i = 0; i < kKvLoads; ++i) {
       const int key = tile * kBlockN + ld_row + i * kLoadRowsPerPass;
-      kv_off[i] = key < lk ? ((int64_t)__ldg(table + (key >> p.block_size_log2))
-                                  << p.block_size_log2 | (key & block_mask)) * slot_stride
-                           : -1;
+      kv_off[i] = -1;
+      if (key < lk) {
+        const int64_t block = __ldg(table + (key >> p.block_size_log2));
+        kv_off[i] = ((block << p.block_size_log2) + (key & block_mask)) * slot_stride;
+      }
     }
   };
   auto load_tile = [&](uint32_t dst, const T* head_base) {

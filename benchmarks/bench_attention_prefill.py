@@ -108,6 +108,38 @@ def _flex_fn(s, scale):
     return run
 
 
+def _check(out_packed, want):
+    """A fast wrong kernel must not produce a row: compare with SDPA's output (bf16 level)."""
+    b, h, lq, _ = want.shape
+    got = out_packed.view(b, lq, h, D).transpose(1, 2)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 2e-2, f"prefill output differs from SDPA (rel err {err:.3e})"
+
+
+def time_both_paths(ours, sets, want):
+    """(seconds of the kernel the device picks, seconds of the portable mma.sync kernel), each
+    checked against `want` first. The env var is read at launch, so it holds through time_gpu's
+    warm-up and graph capture."""
+    times = []
+    before = os.environ.get("QWEN3_PREFILL_NO_WGMMA")
+    try:
+        for force_mma in (False, True):
+            if force_mma:
+                os.environ["QWEN3_PREFILL_NO_WGMMA"] = "1"
+            else:
+                os.environ.pop("QWEN3_PREFILL_NO_WGMMA", None)
+            sets[0]["out"].fill_(float("nan"))
+            ours(sets[0])()
+            _check(sets[0]["out"], want)
+            times.append(time_gpu([ours(s) for s in sets], reps=20))
+    finally:
+        if before is None:
+            os.environ.pop("QWEN3_PREFILL_NO_WGMMA", None)
+        else:
+            os.environ["QWEN3_PREFILL_NO_WGMMA"] = before
+    return times[0], times[1]
+
+
 @pytest.mark.parametrize("batch,seqlen,hq,hkv,block_size", CASES)
 def test_prefill(report, batch, seqlen, hq, hkv, block_size):
     from torch.nn.attention import SDPBackend
@@ -123,29 +155,10 @@ def test_prefill(report, batch, seqlen, hq, hkv, block_size):
             s["q_packed"], s["k_cache"], s["v_cache"], s["cu"], s["lens"], s["block_tables"],
             seqlen, scale, out=s["out"])
 
-    # Correctness guard: a fast wrong kernel must not produce a row.
-    s0 = sets[0]
-    ours(s0)()
-    want = F.scaled_dot_product_attention(s0["q"], s0["k"], s0["v"], is_causal=True, scale=scale,
-                                          enable_gqa=True)
-    got = s0["out"].view(batch, seqlen, hq, D).transpose(1, 2)
-    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    assert err < 2e-2, f"prefill output differs from SDPA (rel err {err:.3e})"
-
-    t_ours = time_gpu([ours(s) for s in sets], reps=20)
-
-    baselines, notes = {}, []
-    # Our portable mma.sync kernel too (on Hopper "ours" is the wgmma kernel): the env var is read
-    # at launch, so it holds through time_gpu's warm-up and graph capture.
-    before = os.environ.get("QWEN3_PREFILL_NO_WGMMA")
-    os.environ["QWEN3_PREFILL_NO_WGMMA"] = "1"
-    try:
-        baselines["ours_mma_sync"] = time_gpu([ours(s) for s in sets], reps=20)
-    finally:
-        if before is None:
-            del os.environ["QWEN3_PREFILL_NO_WGMMA"]
-        else:
-            os.environ["QWEN3_PREFILL_NO_WGMMA"] = before
+    want = F.scaled_dot_product_attention(sets[0]["q"], sets[0]["k"], sets[0]["v"],
+                                          is_causal=True, scale=scale, enable_gqa=True)
+    t_ours, t_mma = time_both_paths(ours, sets, want)
+    baselines, notes = {"ours_mma_sync": t_mma}, []
     for name, make in (
         ("sdpa_cudnn", lambda s: _sdpa_fn(SDPBackend.CUDNN_ATTENTION, s, scale)),
         ("sdpa_flash", lambda s: _sdpa_fn(SDPBackend.FLASH_ATTENTION, s, scale)),
@@ -159,4 +172,59 @@ def test_prefill(report, batch, seqlen, hq, hkv, block_size):
     notes = [f"{k} {flops / t / 1e12:.0f} TFLOP/s" for k, t in baselines.items()] + notes
     report("paged_attention_prefill",
            f"causal B={batch} L={seqlen} Hq/Hkv={hq}/{hkv} bs={block_size}",
+           t_ours, baselines, flops=flops, note="; ".join(notes))
+
+
+@pytest.mark.parametrize("lq,lk", [(2048, 8192), (512, 16384)])
+def test_prefill_prefix_chunk(report, lq, lk):
+    """Chunked prefill / prefix-cache hit: Lq new tokens over Lk keys (query i at Lk - Lq + i).
+    Baselines need the end-aligned mask: SDPA with an explicit boolean mask (default backend
+    choice) and flex_attention with the offset in its mask_mod; no is_causal backend fits."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _FLEX
+    hq, hkv, block_size = 32, 8, 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = 1.0 / math.sqrt(D)
+    s = make_inputs(1, lk, hq, hkv, block_size, gen)
+    # Keep the last lq query tokens: dense q [1, Hq, Lq, D], packed [Lq, Hq, D].
+    s["q"] = s["q"][:, :, lk - lq:].contiguous()
+    s["q_packed"] = s["q_packed"][lk - lq:].contiguous()
+    s["out"] = torch.empty_like(s["q_packed"])
+    s["cu"] = torch.tensor([0, lq], device="cuda", dtype=torch.int32)
+    sets = [s]
+    offset = lk - lq
+    mask = (torch.arange(lk, device="cuda")[None, :]
+            <= torch.arange(lq, device="cuda")[:, None] + offset)  # [Lq, Lk]
+
+    def ours(s_):
+        return lambda: ops.paged_attention_prefill(
+            s_["q_packed"], s_["k_cache"], s_["v_cache"], s_["cu"], s_["lens"],
+            s_["block_tables"], lq, scale, out=s_["out"])
+
+    def sdpa_masked():
+        return F.scaled_dot_product_attention(s["q"], s["k"], s["v"], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+
+    want = sdpa_masked()
+    t_ours, t_mma = time_both_paths(ours, sets, want)
+    baselines, notes = {"ours_mma_sync": t_mma}, []
+    try:
+        baselines["sdpa_masked"] = time_gpu(sdpa_masked, reps=20)
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"sdpa_masked unavailable ({type(e).__name__})")
+    try:
+        if _FLEX is None:
+            _FLEX = torch.compile(flex_attention)
+        bm = create_block_mask(lambda b_, h_, qi, ki: ki <= qi + offset, 1, None, lq, lk,
+                               device="cuda")
+        flex = lambda: _FLEX(s["q"], s["k"], s["v"], block_mask=bm, scale=scale,  # noqa: E731
+                             enable_gqa=True)
+        flex()
+        baselines["flex_attention"] = time_gpu(flex, reps=20)
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"flex_attention unavailable ({type(e).__name__})")
+    flops = 4 * D * hq * sum(offset + i + 1 for i in range(lq))
+    notes = [f"{k} {flops / t / 1e12:.0f} TFLOP/s" for k, t in baselines.items()] + notes
+    report("paged_attention_prefill", f"prefix chunk Lq={lq} Lk={lk} Hq/Hkv={hq}/{hkv}",
            t_ours, baselines, flops=flops, note="; ".join(notes))

@@ -207,6 +207,13 @@ def test_prefill_mixed_batch(dtype, block_size, hq, hkv, kernel_path):
 
 
 @requires_cuda
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_prefill_other_block_sizes(block_size, kernel_path):
+    case = Case(_mixed_seqs(block_size), 32, 8, block_size, torch.bfloat16, seed=block_size).cuda()
+    check_against_reference(case, run_ours(case))
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_prefill_long_and_short_together(dtype, block_size, kernel_path):

@@ -46,11 +46,11 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def run_steps(model, vocab):
+def run_steps(model, vocab, **runner_kw):
     """The same fixed steps on every rank and world size -> (logits or None, last hidden)."""
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randint(0, vocab, (n,), generator=g).tolist() for n in (13, 29, 7))
-    runner = PagedRunner(model, num_blocks=16, block_size=16, seed=1)
+    runner = PagedRunner(model, num_blocks=16, block_size=16, seed=1, **runner_kw)
     h1, _ = runner.step(prefills=[(0, a), (1, b)])
     h2, _ = runner.step(prefills=[(2, c)], decodes=[(0, 5), (1, 9)])
     hidden = torch.cat([h1, h2])

@@ -187,3 +187,25 @@ def test_forward_without_cache_or_context_raises_clearly(checkpoints):
     PagedRunner(ours)
     with pytest.raises(RuntimeError, match="no attention Context"):
         ours(torch.tensor([1, 2]), torch.tensor([0, 1]))
+
+
+def test_real_qwen3_shapes_build_under_another_default_device():
+    """Qwen3-0.6B and -8B shapes, built on the meta device (no memory): what the runner does with
+    a CUDA default device, so nothing may be created on the CPU by accident."""
+    for spec, n_params, tied in (
+        (dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+              num_key_value_heads=8, tie_word_embeddings=True), 596_049_920, True),
+        (dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+              num_key_value_heads=8, tie_word_embeddings=False), 8_190_735_360, False),
+    ):
+        cfg = tiny_config(dict(spec, vocab_size=151936, head_dim=128), max_position_embeddings=40960)
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(cfg)
+        assert sum(p.numel() for p in model.parameters()) == n_params
+        attn = model.model.layers[0].self_attn
+        q_width = spec["num_attention_heads"] * 128
+        assert attn.qkv_proj.weight.shape == (q_width + 2 * 8 * 128, spec["hidden_size"])
+        assert attn.o_proj.weight.shape == (spec["hidden_size"], q_width)
+        assert attn.rotary_emb.cos_sin_cache.shape == (40960, 128)
+        assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied

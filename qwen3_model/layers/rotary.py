@@ -62,15 +62,17 @@ def _yarn_inv_freq(head_dim: int, theta: float, params: dict, max_position: int)
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    base_freq = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    base_freq = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
     keep = 1.0 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (frequency / factor)
     inv_freq = (1.0 / (factor * base_freq)) * (1.0 - keep) + (1.0 / base_freq) * keep
     return inv_freq, float(attention_factor)
 
 
 def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] fp32, cos/sin scale) for the rope type in ``params``."""
+    """(inv_freq [head_dim / 2] fp32 on the CPU, cos/sin scale) for the rope type in ``params``.
+
+    Always on the CPU, whatever the default device (cuda, meta): the table is built there once."""
     theta = float(params["rope_theta"])
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -80,7 +82,7 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
         )
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, params, max_position)
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
     return inv_freq, 1.0
@@ -96,7 +98,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inv_freq(head_dim, params, max_position)
         # Built on the CPU in fp32 whatever the defaults are, so every device gets the same table.
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq.to("cpu"))  # [max_position, head_dim / 2]
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scale
         device = torch.empty(0).device  # the current default device
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)

@@ -71,7 +71,14 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids], device=DEVICE)).logits[0].float()
 
 
-def test_prefill_logits_bf16_vs_transformers(models):
+@pytest.mark.parametrize("qkv_gemm", ["default", "forced"])
+def test_prefill_logits_bf16_vs_transformers(models, qkv_gemm, monkeypatch):
+    """'forced': our CUTLASS QKV GEMM at every token count (by default only large prefills use it)."""
+    from qwen3_model.layers import attention
+
+    if qkv_gemm == "forced":
+        monkeypatch.setattr(attention, "USE_QKV_GEMM", True)
+        monkeypatch.setattr(attention, "QKV_GEMM_MIN_TOKENS", 1)
     ours, hf16, hf32 = models
     ps = prompts(PROMPT_LENS)
     runner = PagedRunner(ours, num_blocks=128, block_size=16, poison=False, pad_block=0)

@@ -132,3 +132,46 @@ def test_tp2_not_divisible_raises_clearly(tp_run, label):
     msg = ranks[0]["errors"][label]
     assert msg is not None, f"{label}: building the model at TP=2 did not raise"
     assert NOT_DIVISIBLE[label][1] in msg and "tensor-parallel size (2)" in msg, msg
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_weight_loaders_split_like_vllm(monkeypatch, tp):
+    """Each rank's slice, simulated in one process: column layers keep output rows, row layers input
+    columns, QKV keeps its q heads and its kv heads (replicated when kv heads < tp)."""
+    import qwen3_model.layers.embed_head as eh
+    import qwen3_model.layers.linear as lin
+
+    hidden, d, hq, hkv, inter, vocab = 24, 8, 8, 2, 16, 32
+    q, k, v = torch.randn(hq * d, hidden), torch.randn(hkv * d, hidden), torch.randn(hkv * d, hidden)
+    gate, up = torch.randn(inter, hidden), torch.randn(inter, hidden)
+    down, emb = torch.randn(hidden, inter), torch.randn(vocab, hidden)
+    for rank in range(tp):
+        for mod in (lin, eh):
+            monkeypatch.setattr(mod, "get_tp_rank", lambda: rank)
+            monkeypatch.setattr(mod, "get_tp_world_size", lambda: tp)
+        qkv = lin.QKVParallelLinear(hidden, d, hq, hkv)
+        for shard, w in zip("qkv", (q, k, v)):
+            qkv.weight.weight_loader(qkv.weight, w, shard)
+        nq, nkv = hq // tp, max(1, hkv // tp)
+        kv_head = rank // (tp // hkv) if tp > hkv else rank * nkv
+        rows = lambda w, h0, n: w[h0 * d : (h0 + n) * d]  # noqa: E731
+        want = torch.cat([rows(q, rank * nq, nq), rows(k, kv_head, nkv), rows(v, kv_head, nkv)])
+        assert torch.equal(qkv.weight, want), f"tp {tp} rank {rank}: wrong q/k/v heads"
+
+        gu = lin.MergedColumnParallelLinear(hidden, [inter, inter])
+        gu.weight.weight_loader(gu.weight, gate, 0)
+        gu.weight.weight_loader(gu.weight, up, 1)
+        n = inter // tp
+        assert torch.equal(gu.weight, torch.cat([gate[rank * n : (rank + 1) * n], up[rank * n : (rank + 1) * n]]))
+
+        row = lin.RowParallelLinear(inter, hidden)
+        row.weight.weight_loader(row.weight, down)
+        assert torch.equal(row.weight, down[:, rank * n : (rank + 1) * n])
+
+        e = eh.VocabParallelEmbedding(vocab, hidden)
+        e.weight.weight_loader(e.weight, emb)
+        nv = vocab // tp
+        assert torch.equal(e.weight, emb[rank * nv : (rank + 1) * nv])
+
+        with pytest.raises(ValueError, match=r"expected shape \(16, 24\), got \(8, 24\)"):
+            qkv.weight.weight_loader(qkv.weight, k[:8], "k")

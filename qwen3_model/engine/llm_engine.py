@@ -179,7 +179,7 @@ class LLMEngine:
     def _detok_step(self, seq: Sequence, state: _Detok, want_text: bool) -> None:
         """Feed ``seq``'s new tokens to its detokenizer; apply stop strings."""
         p = seq.params
-        new_ids = seq.completion_token_ids[len(state.ids):]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + len(state.ids):]  # O(new), not O(output)
         if isinstance(seq.stop_reason, int) or (
             seq.finish_reason == "stop" and seq.stop_reason is None and new_ids
             and new_ids[-1] in self.config.eos_token_ids
@@ -258,7 +258,7 @@ class LLMEngine:
         for seq, state in self._stream(prompts, sampling_params, use_tqdm, want_text=True):
             done = seq.is_finished
             k = sent.get(seq.seq_id, 0)
-            new_ids = seq.completion_token_ids[k:]
+            new_ids = seq.token_ids[seq.num_prompt_tokens + k:]
             sent[seq.seq_id] = k + len(new_ids)
             end = len(state.text)
             if not done:

@@ -215,8 +215,9 @@ class LLMEngine:
         return ""
 
     def _stream(self, prompts, sampling_params, use_tqdm: bool, want_text: bool):
-        """Validate all, then run; yields (seq, state, new ids) for each sequence that got
-        tokens this step. The engine is left clean even if the caller stops early."""
+        """Validate all, then run; yields per step the [(sequence, detok state)] that got a token
+        (with ``want_text=False``: only those that finished, the rest is skipped for speed).
+        The engine is left clean even if the caller stops early."""
         requests = self.validate_requests(prompts, sampling_params)
         if not self.is_finished():
             raise RuntimeError("the engine is already running requests (one generate at a time)")
@@ -233,10 +234,16 @@ class LLMEngine:
                 t0 = time.perf_counter()
                 got, n_prefill, n_decode = self.step()
                 dt = time.perf_counter() - t0
+                out = []
                 for seq in got:
-                    state = states[seq.seq_id]
-                    self._detok_step(seq, state, want_text)
-                    yield seq, state
+                    # Without streamed text, only stop strings need the text before the end.
+                    if want_text or seq.params.stop or seq.is_finished:
+                        state = states[seq.seq_id]
+                        self._detok_step(seq, state, want_text)
+                        if want_text or seq.is_finished:
+                            out.append((seq, state))
+                if out:
+                    yield out
                 if pbar is not None:
                     # exponential moving averages of this step's prefill and decode rates
                     if n_prefill:
@@ -255,7 +262,8 @@ class LLMEngine:
     def stream(self, prompts, sampling_params=None, use_tqdm: bool = False) -> Iterator[StreamDelta]:
         """Yield a StreamDelta per request per step that produced tokens, as they come."""
         sent: dict[int, int] = {}
-        for seq, state in self._stream(prompts, sampling_params, use_tqdm, want_text=True):
+        for seq, state in (x for step in self._stream(prompts, sampling_params, use_tqdm, True)
+                           for x in step):
             done = seq.is_finished
             k = sent.get(seq.seq_id, 0)
             new_ids = seq.token_ids[seq.num_prompt_tokens + k:]
@@ -277,9 +285,8 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order."""
         finished: dict[int, RequestOutput] = {}
-        for seq, state in self._stream(prompts, sampling_params, use_tqdm, want_text=False):
-            if not seq.is_finished:
-                continue
+        for seq, state in (x for step in self._stream(prompts, sampling_params, use_tqdm, False)
+                           for x in step):
             if self.tokenizer is not None and not seq.params.stop:
                 text = self.tokenizer.decode(state.ids, skip_special_tokens=True)
             else:

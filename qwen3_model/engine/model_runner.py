@@ -249,7 +249,7 @@ class ModelRunner:
                 self._slots(seq, start, end, slots)
                 cu_q.append(cu_q[-1] + n)
                 lens_k.append(end)
-                if end == seq.num_tokens:
+                if end == len(seq.token_ids):
                     sample_rows.append(cu_q[-1] - 1)
                     sample_seqs.append(seq)
             ctx.num_prefill_tokens = cu_q[-1]
@@ -266,7 +266,7 @@ class ModelRunner:
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size
                              + pos % self.block_size)
                 lens.append(pos + 1)
-                if pos + 1 == seq.num_tokens:
+                if pos + 1 == len(seq.token_ids):
                     sample_rows.append(ctx.num_prefill_tokens + i)
                     sample_seqs.append(seq)
             ctx.decode_seq_lens = self._to_device(lens, torch.int32)
@@ -326,8 +326,8 @@ class ModelRunner:
             return []
         sampling = SamplingBatch.build(
             [s.params for s in sample_seqs],
-            [s.num_completion_tokens for s in sample_seqs],
-            [self._banned_ids(s) for s in sample_seqs],
+            [len(s.token_ids) - s.num_prompt_tokens for s in sample_seqs],
+            [self._banned_ids(s) if s.params.min_tokens else () for s in sample_seqs],
             self.vocab_size,
             self.device,
         )

@@ -104,21 +104,23 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
 
+        slots_per_block = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             need_tokens = seq.num_computed_tokens + n
-            # Victims come from the back, which this loop has not reached yet (or is ``seq``).
-            while not bm.can_grow(seq, need_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
+            if len(seq.block_table) * slots_per_block < need_tokens:  # (rare: a block boundary)
+                # Victims come from the back, which this loop has not reached yet (or is ``seq``).
+                while not bm.can_grow(seq, need_tokens):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
                     break
-            if seq.status != SequenceStatus.RUNNING:
-                break
-            bm.grow(seq, need_tokens)
+                bm.grow(seq, need_tokens)
             scheduled.append((seq, n))
             budget -= n
             i += 1
@@ -145,7 +147,7 @@ class Scheduler:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
-            if seq.num_computed_tokens + n < seq.num_tokens:
+            if seq.num_computed_tokens + n < len(seq.token_ids):
                 self.num_partial_prefills += 1
         if batch:
             self.num_steps += 1
@@ -168,12 +170,14 @@ class Scheduler:
         order (exactly the rows the runner sampled). Returns the sequences that got a token.
         """
         bm = self.block_manager
+        caching, bs = bm.enable_prefix_caching, bm.block_size
         got_token = []
         it = iter(sampled)
         for seq, n in batch.items():
             seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if caching and seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * bs:
+                bm.cache_full_blocks(seq)  # a block just became full
+            if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a chunk short of the end: nothing to sample yet
             token = next(it)
             seq.append_token(token)
@@ -186,14 +190,16 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int):
         p = seq.params
-        # the token just appended was sampled with num_completion_tokens - 1 tokens before it;
-        # EOS and stop ids count only once min_tokens tokens came before
-        past_min = seq.num_completion_tokens > p.min_tokens
+        num_tokens = len(seq.token_ids)
+        num_out = num_tokens - seq.num_prompt_tokens
+        # the token just appended was sampled with num_out - 1 tokens before it; EOS and stop
+        # ids count only once min_tokens tokens came before
+        past_min = num_out > p.min_tokens
         if past_min and token in p.stop_token_ids:
             return "stop", token
         if past_min and not p.ignore_eos and token in self.eos_token_ids:
             return "stop", None
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_out >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length", None
         return None, None
 

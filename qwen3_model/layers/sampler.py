@@ -67,7 +67,7 @@ class SamplingBatch:
     def build(
         params: list[SamplingParams],
         positions: list[int],
-        banned: list[list[int]],
+        banned: list,
         vocab_size: int,
         device: torch.device | str,
     ) -> "SamplingBatch":

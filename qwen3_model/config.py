@@ -107,12 +107,10 @@ class Config:
     def _find_eos_ids(self) -> tuple[int, ...]:
         """EOS ids from generation_config.json (what HF generate uses), else config.json."""
         ids = None
-        try:
+        if os.path.isfile(os.path.join(self.model, "generation_config.json")):
             from transformers import GenerationConfig
 
             ids = GenerationConfig.from_pretrained(self.model).eos_token_id
-        except (OSError, ValueError):
-            pass
         if ids is None:
             ids = getattr(self.hf_config, "eos_token_id", None)
         if ids is None:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence as Seq
@@ -81,6 +82,9 @@ class LLMEngine:
 
     @staticmethod
     def _load_tokenizer(path: str):
+        files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+            return None  # (and no attempt to reach the Hub from an offline machine)
         try:
             from transformers import AutoTokenizer
 

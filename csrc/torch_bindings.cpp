@@ -9,51 +9,84 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <string>
+#include <type_traits>
+
 #include "qwen3_kernels/launchers.h"
 
 namespace {
 
 using qwen3_kernels::DType;
 
+// Error messages are assembled here from strings (integers through std::to_string), then raised
+// with TORCH_CHECK(false, message). Why not TORCH_CHECK(cond, "...", some_int, ...) directly: on
+// the H200 image (torch 2.11+cu130), every failing check whose message streamed an integer or a
+// shape from this extension segfaulted inside the throw, while messages made only of strings
+// raised normally (tests/test_*_cuda.py raw-op error tests, 2026-11-29). Building the text without
+// iostream number formatting sidesteps that, and it only runs on the failure path.
+void append(std::string& s, const char* v) { s += v; }
+void append(std::string& s, const std::string& v) { s += v; }
+void append(std::string& s, double v) { s += std::to_string(v); }
+void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+void append(std::string& s, const c10::Device& v) { s += v.str(); }
+void append(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& s, T v) { s += std::to_string(v); }
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::string msg;
+  (append(msg, args), ...);
+  TORCH_CHECK(false, msg);
+}
+
+#define QK_CHECK(cond, ...)            \
+  do {                                 \
+    if (C10_UNLIKELY(!(cond))) fail(__VA_ARGS__); \
+  } while (0)
+
 DType half_dtype(const at::Tensor& t, const char* op, const char* name) {
   if (t.scalar_type() == at::kHalf) return DType::kFloat16;
   if (t.scalar_type() == at::kBFloat16) return DType::kBFloat16;
-  TORCH_CHECK(false, "qwen3_kernels.", op, ": ", name, " must be float16 or bfloat16, got ",
-              t.scalar_type());
+  fail("qwen3_kernels.", op, ": ", name, " must be float16 or bfloat16, got ", t.scalar_type());
 }
 
 void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "qwen3_kernels.", op, ": ", name, " must be a CUDA tensor, got ",
+  QK_CHECK(t.is_cuda(), "qwen3_kernels.", op, ": ", name, " must be a CUDA tensor, got ",
               t.device());
-  TORCH_CHECK(t.device() == like.device(), "qwen3_kernels.", op, ": ", name, " is on ",
+  QK_CHECK(t.device() == like.device(), "qwen3_kernels.", op, ": ", name, " is on ",
               t.device(), ", expected ", like.device());
 }
 
 void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == want, "qwen3_kernels.", op, ": ", name, " must be ", want,
+  QK_CHECK(t.scalar_type() == want, "qwen3_kernels.", op, ": ", name, " must be ", want,
               ", got ", t.scalar_type());
 }
 
 void check_dim(const at::Tensor& t, int64_t ndim, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == ndim, "qwen3_kernels.", op, ": ", name, " must have ", ndim,
+  QK_CHECK(t.dim() == ndim, "qwen3_kernels.", op, ": ", name, " must have ", ndim,
               " dims, got shape ", t.sizes());
 }
 
 // Rows may be strided (a view into a wider buffer) but each row must be dense. Kernels take a
 // 16-byte vector path when rows are aligned and a scalar path otherwise.
 void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), "qwen3_kernels.", op, ": ",
+  QK_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), "qwen3_kernels.", op, ": ",
               name, " must be 2-D with a unit stride in its last dim, got shape ", t.sizes(),
               " strides ", t.strides());
 }
 
 void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), "qwen3_kernels.", op, ": ", name,
+  QK_CHECK(t.is_contiguous(), "qwen3_kernels.", op, ": ", name,
               " must be contiguous, got strides ", t.strides());
 }
 
 void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "qwen3_kernels.", op, ": CUDA launch failed: ",
+  QK_CHECK(err == cudaSuccess, "qwen3_kernels.", op, ": CUDA launch failed: ",
               cudaGetErrorString(err));
 }
 
@@ -69,9 +102,9 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   check_dtype(out, x.scalar_type(), op, "out");
   check_rows(x, op, "x");
   check_rows(out, op, "out");
-  TORCH_CHECK(x.size(1) % 2 == 0, "qwen3_kernels.", op,
+  QK_CHECK(x.size(1) % 2 == 0, "qwen3_kernels.", op,
               ": x's last dim (2 * intermediate) must be even, got ", x.size(1));
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1), "qwen3_kernels.", op,
+  QK_CHECK(out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1), "qwen3_kernels.", op,
               ": out must be [", x.size(0), ", ", x.size(1) / 2, "], got ", out.sizes());
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -89,9 +122,9 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight, double eps, 
   check_rows(x, op, "x");
   check_dim(weight, 1, op, "weight");
   check_contiguous(weight, op, "weight");
-  TORCH_CHECK(weight.size(0) == x.size(1), "qwen3_kernels.", op, ": weight must be [", x.size(1),
+  QK_CHECK(weight.size(0) == x.size(1), "qwen3_kernels.", op, ": weight must be [", x.size(1),
               "], got ", weight.sizes());
-  TORCH_CHECK(eps > 0, "qwen3_kernels.", op, ": eps must be positive, got ", eps);
+  QK_CHECK(eps > 0, "qwen3_kernels.", op, ": eps must be positive, got ", eps);
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -100,7 +133,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   check_cuda(out, x, op, "out");
   check_dtype(out, x.scalar_type(), op, "out");
   check_rows(out, op, "out");
-  TORCH_CHECK(out.sizes() == x.sizes(), "qwen3_kernels.", op, ": out must be ", x.sizes(),
+  QK_CHECK(out.sizes() == x.sizes(), "qwen3_kernels.", op, ": out must be ", x.sizes(),
               ", got ", out.sizes());
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -117,7 +150,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   check_cuda(residual, x, op, "residual");
   check_dtype(residual, x.scalar_type(), op, "residual");
   check_rows(residual, op, "residual");
-  TORCH_CHECK(residual.sizes() == x.sizes(), "qwen3_kernels.", op, ": residual must be ",
+  QK_CHECK(residual.sizes() == x.sizes(), "qwen3_kernels.", op, ": residual must be ",
               x.sizes(), ", got ", residual.sizes());
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -141,12 +174,12 @@ void check_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
   check_dim(k_cache, 4, op, "k_cache");
   check_contiguous(k_cache, op, "k_cache");
   check_contiguous(v_cache, op, "v_cache");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "qwen3_kernels.", op,
+  QK_CHECK(v_cache.sizes() == k_cache.sizes(), "qwen3_kernels.", op,
               ": v_cache must have k_cache's shape ", k_cache.sizes(), ", got ", v_cache.sizes());
   int64_t bs = k_cache.size(1);
-  TORCH_CHECK(bs >= 16 && bs <= 256 && (bs & (bs - 1)) == 0, "qwen3_kernels.", op,
+  QK_CHECK(bs >= 16 && bs <= 256 && (bs & (bs - 1)) == 0, "qwen3_kernels.", op,
               ": block_size must be 16, 32, 64, 128 or 256, got ", bs);
-  TORCH_CHECK(k_cache.size(3) == 128, "qwen3_kernels.", op,
+  QK_CHECK(k_cache.size(3) == 128, "qwen3_kernels.", op,
               ": the CUDA kernel supports head_dim 128 only, got ", k_cache.size(3),
               " (the Python wrapper runs the reference for other head dims)");
 }
@@ -160,47 +193,47 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
   check_cuda(qkv, qkv, op, "qkv");
   DType dt = half_dtype(qkv, op, "qkv");
   check_rows(qkv, op, "qkv");
-  TORCH_CHECK(qkv.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(qkv.data_ptr()) % 16 == 0,
+  QK_CHECK(qkv.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(qkv.data_ptr()) % 16 == 0,
               "qwen3_kernels.", op, ": qkv rows must be 16-byte aligned (row stride a multiple "
               "of 8 elements), got stride ", qkv.stride(0));
   check_kv_cache(k_cache, v_cache, qkv, op);
   const int64_t d = k_cache.size(3), t = qkv.size(0);
-  TORCH_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0 && num_q_heads >= 1,
+  QK_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0 && num_q_heads >= 1,
               "qwen3_kernels.", op, ": num_q_heads (", num_q_heads,
               ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(k_cache.size(2) == num_kv_heads, "qwen3_kernels.", op, ": k_cache has ",
+  QK_CHECK(k_cache.size(2) == num_kv_heads, "qwen3_kernels.", op, ": k_cache has ",
               k_cache.size(2), " kv heads, num_kv_heads is ", num_kv_heads);
-  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * d, "qwen3_kernels.", op,
+  QK_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * d, "qwen3_kernels.", op,
               ": qkv must be [T, ", (num_q_heads + 2 * num_kv_heads) * d, "], got ", qkv.sizes());
   for (auto* w : {&q_norm_weight, &k_norm_weight}) {
     check_cuda(*w, qkv, op, "q_norm_weight / k_norm_weight");
     check_dtype(*w, qkv.scalar_type(), op, "q_norm_weight / k_norm_weight");
-    TORCH_CHECK(w->dim() == 1 && w->size(0) == d && w->is_contiguous(), "qwen3_kernels.", op,
+    QK_CHECK(w->dim() == 1 && w->size(0) == d && w->is_contiguous(), "qwen3_kernels.", op,
                 ": q_norm_weight / k_norm_weight must be contiguous [", d, "], got ", w->sizes());
   }
   check_cuda(cos_sin_cache, qkv, op, "cos_sin_cache");
   check_dtype(cos_sin_cache, at::kFloat, op, "cos_sin_cache");
   check_contiguous(cos_sin_cache, op, "cos_sin_cache");
-  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == d, "qwen3_kernels.", op,
+  QK_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == d, "qwen3_kernels.", op,
               ": cos_sin_cache must be [max_position, ", d, "], got ", cos_sin_cache.sizes());
   check_cuda(positions, qkv, op, "positions");
   check_dtype(positions, at::kLong, op, "positions");
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == t && positions.is_contiguous(),
+  QK_CHECK(positions.dim() == 1 && positions.size(0) == t && positions.is_contiguous(),
               "qwen3_kernels.", op, ": positions must be contiguous [", t, "], got ",
               positions.sizes());
   check_cuda(slot_mapping, qkv, op, "slot_mapping");
   check_dtype(slot_mapping, at::kInt, op, "slot_mapping");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t && slot_mapping.is_contiguous(),
+  QK_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t && slot_mapping.is_contiguous(),
               "qwen3_kernels.", op, ": slot_mapping must be contiguous [", t, "], got ",
               slot_mapping.sizes());
   check_cuda(q_out, qkv, op, "q_out");
   check_dtype(q_out, qkv.scalar_type(), op, "q_out");
   check_contiguous(q_out, op, "q_out");
-  TORCH_CHECK(q_out.dim() == 3 && q_out.size(0) == t && q_out.size(1) == num_q_heads &&
+  QK_CHECK(q_out.dim() == 3 && q_out.size(0) == t && q_out.size(1) == num_q_heads &&
                   q_out.size(2) == d,
               "qwen3_kernels.", op, ": q_out must be [", t, ", ", num_q_heads, ", ", d, "], got ",
               q_out.sizes());
-  TORCH_CHECK(eps > 0, "qwen3_kernels.", op, ": eps must be positive, got ", eps);
+  QK_CHECK(eps > 0, "qwen3_kernels.", op, ": eps must be positive, got ", eps);
   if (t == 0) return;
   const c10::cuda::CUDAGuard guard(qkv.device());
   check_launch(qwen3_kernels::qk_norm_rope(
@@ -224,20 +257,20 @@ void check_attention_args(const at::Tensor& out, const at::Tensor& q, const at::
   check_dim(q, 3, op, "q");
   check_contiguous(q, op, "q");
   check_kv_cache(k_cache, v_cache, q, op);
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "qwen3_kernels.", op, ": q's head_dim ", q.size(2),
+  QK_CHECK(q.size(2) == k_cache.size(3), "qwen3_kernels.", op, ": q's head_dim ", q.size(2),
               " differs from the cache's ", k_cache.size(3));
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "qwen3_kernels.", op, ": q heads (", q.size(1),
+  QK_CHECK(q.size(1) % k_cache.size(2) == 0, "qwen3_kernels.", op, ": q heads (", q.size(1),
               ") must be a multiple of kv heads (", k_cache.size(2), ")");
   check_cuda(out, q, op, "out");
   check_dtype(out, q.scalar_type(), op, "out");
   check_contiguous(out, op, "out");
-  TORCH_CHECK(out.sizes() == q.sizes(), "qwen3_kernels.", op, ": out must be ", q.sizes(),
+  QK_CHECK(out.sizes() == q.sizes(), "qwen3_kernels.", op, ": out must be ", q.sizes(),
               ", got ", out.sizes());
   check_cuda(block_tables, q, op, "block_tables");
   check_dtype(block_tables, at::kInt, op, "block_tables");
   check_dim(block_tables, 2, op, "block_tables");
   check_contiguous(block_tables, op, "block_tables");
-  TORCH_CHECK(block_tables.size(0) == num_seqs, "qwen3_kernels.", op, ": block_tables must have ",
+  QK_CHECK(block_tables.size(0) == num_seqs, "qwen3_kernels.", op, ": block_tables must have ",
               num_seqs, " rows, got ", block_tables.size(0));
 }
 
@@ -248,18 +281,18 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
   check_attention_args(out, q, k_cache, v_cache, block_tables, q.size(0), op);
   check_cuda(seq_lens, q, op, "seq_lens");
   check_dtype(seq_lens, at::kInt, op, "seq_lens");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
+  QK_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) && seq_lens.is_contiguous(),
               "qwen3_kernels.", op, ": seq_lens must be contiguous [", q.size(0), "], got ",
               seq_lens.sizes());
   check_cuda(workspace, q, op, "workspace");
   check_dtype(workspace, at::kFloat, op, "workspace");
   check_contiguous(workspace, op, "workspace");
-  TORCH_CHECK(workspace.dim() == 4 && workspace.size(0) == q.size(0) &&
+  QK_CHECK(workspace.dim() == 4 && workspace.size(0) == q.size(0) &&
                   workspace.size(1) == q.size(1) && workspace.size(3) == q.size(2) + 1 &&
                   workspace.size(2) >= 1,
               "qwen3_kernels.", op, ": workspace must be [", q.size(0), ", ", q.size(1),
               ", max_splits, ", q.size(2) + 1, "] float32, got ", workspace.sizes());
-  TORCH_CHECK(block_tables.size(1) >= 1, "qwen3_kernels.", op,
+  QK_CHECK(block_tables.size(1) >= 1, "qwen3_kernels.", op,
               ": block_tables needs at least one column, got ", block_tables.sizes());
   if (q.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -282,17 +315,17 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
   const char* op = "paged_attention_prefill";
   check_cuda(cu_seqlens_q, q, op, "cu_seqlens_q");
   check_dtype(cu_seqlens_q, at::kInt, op, "cu_seqlens_q");
-  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1 && cu_seqlens_q.is_contiguous(),
+  QK_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1 && cu_seqlens_q.is_contiguous(),
               "qwen3_kernels.", op, ": cu_seqlens_q must be contiguous [B + 1], got ",
               cu_seqlens_q.sizes());
   const int64_t b = cu_seqlens_q.size(0) - 1;
   check_attention_args(out, q, k_cache, v_cache, block_tables, b, op);
   check_cuda(seq_lens_k, q, op, "seq_lens_k");
   check_dtype(seq_lens_k, at::kInt, op, "seq_lens_k");
-  TORCH_CHECK(seq_lens_k.dim() == 1 && seq_lens_k.size(0) == b && seq_lens_k.is_contiguous(),
+  QK_CHECK(seq_lens_k.dim() == 1 && seq_lens_k.size(0) == b && seq_lens_k.is_contiguous(),
               "qwen3_kernels.", op, ": seq_lens_k must be contiguous [", b, "], got ",
               seq_lens_k.sizes());
-  TORCH_CHECK(max_seqlen_q >= 0, "qwen3_kernels.", op, ": max_seqlen_q must be >= 0, got ",
+  QK_CHECK(max_seqlen_q >= 0, "qwen3_kernels.", op, ": max_seqlen_q must be >= 0, got ",
               max_seqlen_q);
   if (q.size(0) == 0 || b == 0 || max_seqlen_q == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -326,15 +359,15 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   check_contiguous(weight, op, "weight");
   check_contiguous(out, op, "out");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
+  QK_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
               "] but weight is ", weight.sizes(), ": inner dims differ");
-  TORCH_CHECK(k % 8 == 0 && n % 8 == 0 && k > 0 && n > 0, "qwen3_kernels.", op,
+  QK_CHECK(k % 8 == 0 && n % 8 == 0 && k > 0 && n > 0, "qwen3_kernels.", op,
               ": K and N must be positive multiples of 8, got K=", k, " N=", n);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "qwen3_kernels.", op,
+  QK_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "qwen3_kernels.", op,
               ": out must be [", m, ", ", n, "], got ", out.sizes());
   const at::Tensor* operands[] = {&x, &weight, &out};
   for (const at::Tensor* t : operands) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "qwen3_kernels.", op,
+    QK_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "qwen3_kernels.", op,
                 ": x, weight and out must start 16-byte aligned (TMA); got a view at offset ",
                 t->storage_offset());
   }
@@ -352,7 +385,7 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
     int major = 0, minor = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device());
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device());
-    TORCH_CHECK(!(major == 9 && minor == 0), "qwen3_kernels.", op,
+    QK_CHECK(!(major == 9 && minor == 0), "qwen3_kernels.", op,
                 ": the chosen configuration (the table in csrc/kernels/gemm/qkv_gemm.cu, or "
                 "QWEN3_QKV_GEMM_FORCE) cannot run M=", m, " N=", n, " K=", k);
     at::mm_out(out, x, weight.t());

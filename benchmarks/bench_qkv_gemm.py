@@ -33,11 +33,14 @@ SMALL_T = 256  # up to here the GEMM is weight streaming: report TB/s
 CASES = [(model, t) for model in QKV_SHAPES for t in TOKENS]
 IDS = [f"{m}-T{t}" for m, t in CASES]
 
-# Candidates per T range for the configs sweep (config[:mode], see qkv_gemm.cu).
+# Candidates per T range for the configs sweep (config[:mode], see qkv_gemm.cu). "splitk" is the
+# kernel measured on 2026-11-29 (without a count it now takes the 4 / 2 / 1 rule); splitk_pf and
+# splitk_pdl are its L2-prefetch and PDL variants, not yet measured.
 def _candidates(t):
     if t <= 64:
-        return ["splitk", "splitk:2", "splitk:4", "splitk:8", "swap_128x64:streamk",
-                "swap_128x64:heuristic", "tile_128x128:heuristic"]
+        return ["splitk", "splitk:2", "splitk:3", "splitk:4", "splitk_pf", "splitk_pf:2",
+                "splitk_pdl", "splitk_pdl:2", "swap_128x64:streamk", "swap_128x64:heuristic",
+                "tile_128x128:heuristic"]
     if t <= 512:
         return ["swap_128x64:streamk", "swap_128x64:heuristic", "tile_128x128:heuristic",
                 "tile_128x128:streamk", "tile_128x128:dp", "tile_128x256:heuristic"]

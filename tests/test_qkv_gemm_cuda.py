@@ -80,6 +80,12 @@ FORCED = [
 ] + [
     (f"splitk:{s}", 13, 1032, 2056) for s in (1, 2, 3, 5, 8)
 ] + [
+    # the L2-prefetch / PDL variants: K tails shorter than the prefetch distance, one-step splits
+    (f"{name}{splits}", t, n, k)
+    for name in ("splitk_pf", "splitk_pdl")
+    for splits in ("", ":1", ":3", ":8")
+    for t, n, k in ((1, 6144, 4096), (17, 72, 1032), (64, 4104, 200))
+] + [
     (f"swap_128x64:{mode}", t, n, k)
     for mode in ("streamk", "heuristic", "dp", "split3")
     for t, n, k in ((1, 6144, 4096), (33, 4104, 1032), (64, 72, 2056))
@@ -105,7 +111,7 @@ def test_qkv_gemm_in_a_cuda_graph(force):
     # Decode runs from captured graphs: the stream-K workspace comes from the caching allocator
     # and the barrier reset is a memset node, so replays must stay correct with fresh inputs.
     n, k = QKV_SHAPES["8B"]
-    for config in ("auto", "splitk", "swap_128x64:streamk", "tile_128x128:streamk"):
+    for config in ("auto", "splitk", "splitk_pdl", "swap_128x64:streamk", "tile_128x128:streamk"):
         force(config)
         x, w = _inputs(16, n, k, torch.bfloat16)
         out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
@@ -121,6 +127,49 @@ def test_qkv_gemm_in_a_cuda_graph(force):
             g.replay()
             torch.cuda.synchronize()
             _check(x, w, out)
+
+
+@pytest.mark.parametrize("config", ["splitk_pdl", "splitk_pdl:2", "splitk_pf"])
+def test_qkv_gemm_pdl_orders_after_the_previous_kernel(config, force):
+    # splitk_pdl may start while the previous kernel in the stream runs: it must still read the
+    # weight and x that kernel writes, and a following splitk_pdl (started early by our
+    # launch_dependents) must still read our finished output. Eager and in a graph.
+    force(config)
+    n1, k = QKV_SHAPES["8B"]
+    n2 = 1032
+    x_new, w1_new = _inputs(5, n1, k, torch.bfloat16, seed=7)
+    _, w2 = _inputs(5, n2, n1, torch.bfloat16, seed=8)
+    x = torch.zeros_like(x_new)
+    w1 = torch.zeros_like(w1_new)
+    mid = torch.full((5, n1), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((5, n2), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        # kernels (not memcpys, which never overlap a PDL launch) writing both operands, the
+        # 50 MB weight last, right before the GEMM that reads them
+        torch.mul(x_new, 1.0, out=x)
+        torch.mul(w1_new, 1.0, out=w1)
+        torch.ops.qwen3_kernels.qkv_gemm(mid, x, w1)
+        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)  # reads the previous GEMM's output
+
+    step()
+    torch.cuda.synchronize()
+    _check(x_new, w1_new, mid)
+    _check(mid, w2, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for seed in (1, 2):
+        x2, w2_ = _inputs(5, n1, k, torch.bfloat16, seed=seed)
+        x_new.copy_(x2)
+        w1_new.copy_(w2_)
+        w1.zero_()
+        mid.fill_(float("nan"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(x_new, w1_new, mid)
+        _check(mid, w2, out)
 
 
 def test_qkv_gemm_opcheck():

@@ -1,11 +1,15 @@
-// qkv_gemm launcher: picks one configuration by M (= tokens) from the table below and runs it.
+// qkv_gemm launcher: picks one configuration by M (= tokens) and N * K (= weight size) from the
+// measured table below and runs it.
 //
 //   out[M, N] = x[M, K] @ w[N, K]^T, bf16 / fp16 in and out, fp32 accumulate; Hopper (sm_90) only:
 //   on any other device the launcher returns cudaErrorNotSupported (the binding then uses cuBLAS).
 //
 // Configurations (one TU each; see qkv_gemm_configs.h):
 //   splitk        hand-written weight-streaming split-K, K splits reduced in a cluster (M <= 64)
-//   swap_128x64   CUTLASS, out^T = w @ x^T, tile 128 weight rows x 64 tokens (M <= 64)
+//   splitk_pf     the same kernel, also prefetching its weight into L2 two steps ahead of the loads
+//   splitk_pdl    splitk_pf launched with programmatic dependent launch: the first steps' weight is
+//                 prefetched into L2 while the previous kernel in the stream is still finishing
+//   swap_128x64   CUTLASS, out^T = w @ x^T, tile 128 weight rows x 64 tokens
 //   tile_128x128  CUTLASS, tile 128 tokens x 128 weight rows, 2x1 cluster
 //   tile_128x256  CUTLASS, tile 128 tokens x 256 weight rows, 2x1 cluster
 // The CUTLASS ones use the stream-K tile scheduler, so each also takes a decomposition at run
@@ -13,8 +17,9 @@
 //
 // QWEN3_QKV_GEMM_FORCE=<config>[:<mode>] overrides the table for every call (read per call, so a
 // benchmark can compare configurations in one process): <mode> is heuristic | dp | streamk |
-// split<S> for the CUTLASS configs and the split count S (1..8) for splitk. A forced config that
-// cannot run the problem (splitk with M > 64) makes the call fail with cudaErrorNotSupported.
+// split<S> for the CUTLASS configs and the split count S (1..8) for the splitk ones (without it,
+// splitk_default_splits). A forced config that cannot run the problem (splitk with M > 64) makes
+// the call fail with cudaErrorNotSupported.
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -29,36 +34,82 @@ namespace qwen3_kernels {
 namespace qkv_gemm_detail {
 namespace {
 
-enum class Config { kSplitK, kSwap128x64, kTile128x128, kTile128x256 };
+enum class Config { kSplitK, kSplitKPf, kSplitKPdl, kSwap128x64, kTile128x128, kTile128x256 };
 
 struct Choice {
-  int64_t max_m;                // rows of x (tokens) up to which this entry applies
   Config config;
-  Decomposition decomposition;  // CUTLASS configs only
-  int splits;                   // split-K factor (kSplitK decomposition / splitk config); 0 = default
+  Decomposition decomposition;  // CUTLASS configs; kSplitK with splits > 0 also for splitk*
+  int splits;                   // split-K factor; 0 = the config's default
 };
 
-// The choice table. PROVISIONAL, set from reasoning, not yet from measurements:
-//   M <= 16   weight streaming; the hand-written kernel reads w at the HBM rate with no workspace
-//             and a single launch.
-//   M <= 64   still weight streaming; swapped CUTLASS tile (128 weight rows x 64 tokens), stream-K
-//             so all SMs stream (N / 128 = 32..80 tiles would leave most SMs idle otherwise).
-//   M <= 512  128x128 tiles; CUTLASS's heuristic picks stream-K where the tile count is ragged.
-//   larger    128x256 tiles, the shape that runs wgmma at its largest (64x256 per warp group).
-// Re-derive with: cd benchmarks && pytest -q -s bench_qkv_gemm.py (its "configs" section times
-// every configuration on every shape and prints the best per T).
-constexpr Choice kTable[] = {
-    {16, Config::kSplitK, Decomposition::kHeuristic, 0},
-    {64, Config::kSwap128x64, Decomposition::kStreamK, 0},
-    {512, Config::kTile128x128, Decomposition::kHeuristic, 0},
-    {std::numeric_limits<int64_t>::max(), Config::kTile128x256, Decomposition::kHeuristic, 0},
+// Short names for the table below.
+constexpr Decomposition H = Decomposition::kHeuristic;
+constexpr Decomposition DP = Decomposition::kDataParallel;
+constexpr Decomposition SK = Decomposition::kStreamK;
+constexpr Choice splitk(int s) { return {Config::kSplitK, Decomposition::kSplitK, s}; }
+constexpr Choice swap(Decomposition d) { return {Config::kSwap128x64, d, 0}; }
+constexpr Choice t128(Decomposition d) { return {Config::kTile128x128, d, 0}; }
+constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
+
+// The choice table: the configuration measured fastest for each (tokens, weight size) case.
+// Measured on the H200, 2026-11-29, by benchmarks/bench_qkv_gemm.py's configs sweep (bf16; every
+// candidate on every Qwen3 QKV shape at T = 1, 8, 16, 32, 64, ..., 16384; its "fastest per case"
+// list). The winner at the row's max_m covers every M between the previous row and it; a weight
+// of N * K elements takes the first column whose bound it does not exceed, so each Qwen3 shape is
+// its own column and other shapes take the next larger one. fp16 uses the bf16 choices.
+// What the measurement showed:
+//   - M <= 32: the hand-written split-K streams fastest with 4 splits (all CTAs resident at once,
+//     clusters of 4); 32B (160 row blocks) with 2 or 3, since 4 x 160 CTAs need a second wave.
+//     4 splits beat the old SM-count default (5 or 8 splits) by up to 27% (8B M=1: 16.6 vs 22.8 us).
+//   - M = 33..128: CUTLASS with swapped operands (weight rows on the 128-wide side); splitk only
+//     for the two small shapes, the 128x128 tile at M = 128 for 0.6B.
+//   - M = 129..1024: 128x128 tiles mostly, swapped tiles for the small / mid shapes where measured
+//     faster; 128x256 from M = 1024 on the small shapes, from M = 2048..16384 on the larger ones.
+//   - Among stream-K modes, ties (< 1%) were common; where dp or streamk lost it lost by up to 25%
+//     (e.g. 32B M = 256: dp 61.3 us vs heuristic 48.5 us), so the printed winner is taken as is.
+constexpr int kWeightColumns = 6;
+constexpr int64_t kMaxWeight[kWeightColumns] = {
+    4096LL * 1024,                         // 0.6B  N=4096  K=1024
+    4096LL * 2048,                         // 1.7B  N=4096  K=2048
+    6144LL * 2560,                         // 4B    N=6144  K=2560
+    6144LL * 4096,                         // 8B    N=6144  K=4096
+    7168LL * 5120,                         // 14B   N=7168  K=5120
+    std::numeric_limits<int64_t>::max(),   // 32B   N=10240 K=5120, and anything larger
 };
 
-Choice choose_from_table(int64_t m) {
-  for (const Choice& c : kTable) {
-    if (m <= c.max_m) return c;
+struct Row {
+  int64_t max_m;                  // tokens up to which this row applies
+  Choice by_weight[kWeightColumns];
+};
+
+constexpr Row kTable[] = {
+    //            0.6B       1.7B       4B         8B         14B        32B
+    {8,        {splitk(4), splitk(4), splitk(4), splitk(4), splitk(4), splitk(2)}},
+    {16,       {splitk(4), splitk(4), splitk(4), splitk(4), splitk(4), splitk(3)}},
+    {32,       {splitk(4), splitk(4), splitk(4), splitk(4), splitk(4), swap(SK)}},
+    {64,       {splitk(4), splitk(4), swap(SK),  swap(H),   swap(SK),  swap(SK)}},
+    {128,      {t128(DP),  swap(SK),  swap(H),   swap(H),   swap(H),   swap(H)}},
+    {256,      {swap(H),   swap(H),   t128(DP),  t128(DP),  t128(DP),  t128(H)}},
+    {512,      {t128(DP),  t128(DP),  swap(H),   swap(H),   t128(H),   t128(SK)}},
+    {1024,     {t256(H),   t256(H),   t128(H),   t128(H),   t128(H),   t128(H)}},
+    {2048,     {t256(DP),  t256(H),   t128(H),   t128(H),   t128(H),   t256(SK)}},
+    {4096,     {t256(H),   t128(H),   t256(DP),  t128(H),   t256(SK),  t256(DP)}},
+    {std::numeric_limits<int64_t>::max(),  // measured at 16384
+               {t256(DP),  t256(DP),  t256(H),   t256(SK),  t256(SK),  t256(H)}},
+};
+
+Choice choose_from_table(int64_t m, int64_t n, int64_t k) {
+  const int64_t weight = n * k;
+  int col = 0;
+  while (col < kWeightColumns - 1 && weight > kMaxWeight[col]) ++col;
+  for (const Row& r : kTable) {
+    if (m <= r.max_m) return r.by_weight[col];
   }
-  return kTable[sizeof(kTable) / sizeof(kTable[0]) - 1];
+  return kTable[sizeof(kTable) / sizeof(kTable[0]) - 1].by_weight[col];
+}
+
+bool is_splitk(Config c) {
+  return c == Config::kSplitK || c == Config::kSplitKPf || c == Config::kSplitKPdl;
 }
 
 bool parse_mode(const std::string& mode, Choice& c) {
@@ -82,18 +133,22 @@ bool parse_mode(const std::string& mode, Choice& c) {
 }
 
 // The table's choice, or QWEN3_QKV_GEMM_FORCE's. A malformed override is reported once and ignored.
-Choice choose(int64_t m) {
-  Choice c = choose_from_table(m);
+Choice choose(int64_t m, int64_t n, int64_t k) {
+  Choice c = choose_from_table(m, n, k);
   const char* env = std::getenv("QWEN3_QKV_GEMM_FORCE");
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return c;
   const std::string s(env);
   const size_t colon = s.find(':');
   const std::string name = s.substr(0, colon);
   const std::string mode = colon == std::string::npos ? "" : s.substr(colon + 1);
-  Choice f{0, Config::kSplitK, Decomposition::kHeuristic, 0};
+  Choice f{Config::kSplitK, Decomposition::kHeuristic, 0};
   bool ok = true;
   if (name == "splitk") {
     f.config = Config::kSplitK;
+  } else if (name == "splitk_pf") {
+    f.config = Config::kSplitKPf;
+  } else if (name == "splitk_pdl") {
+    f.config = Config::kSplitKPdl;
   } else if (name == "swap_128x64") {
     f.config = Config::kSwap128x64;
   } else if (name == "tile_128x128") {
@@ -104,17 +159,17 @@ Choice choose(int64_t m) {
     ok = false;
   }
   ok = ok && parse_mode(mode, f);
-  if (ok && f.config == Config::kSplitK && f.decomposition != Decomposition::kHeuristic &&
+  if (ok && is_splitk(f.config) && f.decomposition != Decomposition::kHeuristic &&
       f.decomposition != Decomposition::kSplitK) {
-    ok = false;  // splitk takes a split count only
+    ok = false;  // the splitk kernels take a split count only
   }
   if (!ok) {
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true)) {
       std::fprintf(stderr,
                    "qwen3_kernels.qkv_gemm: ignoring QWEN3_QKV_GEMM_FORCE=%s (expected auto or "
-                   "splitk[:S] | swap_128x64 | tile_128x128 | tile_128x256 [:heuristic|dp|streamk|"
-                   "split<S>])\n",
+                   "splitk[:S] | splitk_pf[:S] | splitk_pdl[:S] | swap_128x64 | tile_128x128 | "
+                   "tile_128x256 [:heuristic|dp|streamk|split<S>])\n",
                    env);
     }
     return c;
@@ -161,7 +216,7 @@ cudaError_t make_problem(int64_t m, int64_t n, int64_t k, Problem& p, Choice& c)
       k > std::numeric_limits<int>::max()) {
     return cudaErrorInvalidValue;
   }
-  c = choose(m);
+  c = choose(m, n, k);
   p = Problem{};
   p.m = m;
   p.n = n;
@@ -187,12 +242,16 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
 }
 
 cudaError_t run(Config config, bool bf16, const Problem& p) {
+  const int splits = p.decomposition == Decomposition::kSplitK && p.splits > 0
+                         ? p.splits
+                         : splitk_default_splits(p.m, p.n, p.k, p.sm_count);
   switch (config) {
     case Config::kSplitK:
-      return splitk_gemm(p, bf16,
-                         p.decomposition == Decomposition::kSplitK
-                             ? p.splits
-                             : splitk_default_splits(p.m, p.n, p.k, p.sm_count));
+      return splitk_gemm(p, bf16, splits, SplitKVariant::kRound2);
+    case Config::kSplitKPf:
+      return splitk_gemm(p, bf16, splits, SplitKVariant::kPrefetch);
+    case Config::kSplitKPdl:
+      return splitk_gemm(p, bf16, splits, SplitKVariant::kPrefetchPdl);
     case Config::kSwap128x64:
       return bf16 ? sm90_swap_128x64_bf16(p) : sm90_swap_128x64_fp16(p);
     case Config::kTile128x128:

@@ -44,8 +44,15 @@ QWEN3_QKV_GEMM_DECLARE(sm90_tile_128x256_fp16)
 // the K splits of one row block form a thread-block cluster and reduce through distributed
 // shared memory. bf16 == true for bfloat16, else float16. num_splits in [1, 8].
 constexpr int kSplitKMaxM = 64;
-cudaError_t splitk_gemm(const Problem& p, bool bf16, int num_splits);
-// The split count the dispatcher uses by default: enough CTAs to keep every SM streaming.
+enum class SplitKVariant {
+  kRound2,       // as measured on the H200 on 2026-11-29 (the table's "splitk")
+  kPrefetch,     // + each warp prefetches its rows into L2 two steps ahead of its loads
+  kPrefetchPdl,  // + programmatic dependent launch: the first steps' L2 prefetch overlaps the
+                 //   previous kernel in the stream; x is read and out written only after it ends
+};
+cudaError_t splitk_gemm(const Problem& p, bool bf16, int num_splits, SplitKVariant variant);
+// The split count used when none is given: the largest of 4, 2, 1 that keeps every CTA resident
+// in one wave (measured: 4 splits beat 5 and 8; 32B's 160 row blocks x 4 needed a second wave).
 int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count);
 
 }  // namespace qwen3_kernels::qkv_gemm_detail

@@ -16,6 +16,19 @@
 //     (S <= 8). The S CTAs of one row block form a thread-block cluster and reduce their partial
 //     sums through distributed shared memory: one launch, no workspace, no atomics, deterministic.
 //
+// Two variants for the next measurement round (the dispatcher's splitk_pf / splitk_pdl; "splitk" is
+// the kernel as measured on 2026-11-29, unchanged):
+//   - kPrefetchL2: 8 lanes of each warp also ask L2 for the warp's 16 rows kPrefetchAhead steps
+//     beyond the register loads (cp.async.bulk.prefetch.L2: no registers, no completion to wait
+//     for). Each split streams only ~8 steps (8B: 1024 of K over 4 splits), so the start-up, not
+//     the steady state, is where the HBM queue runs dry; the prefetch fills it from the first step.
+//   - kPdl: launched with programmatic dependent launch. The CTAs may start while the previous
+//     kernel in the stream is still finishing; before griddepcontrol.wait they only prefetch their
+//     first steps of weight into L2 (a hint: it reads nothing into registers, so a weight written
+//     by that previous kernel is still read fresh after the wait, L2 being the coherence point).
+//     x is read, and out written, only after the wait. After the main loop the CTA lets the next
+//     PDL kernel start (launch_dependents); that kernel's own wait still orders it after our end.
+//
 // Everything needs sm_90 (clusters); the sm_80 pass of the build compiles an empty body.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -40,6 +53,7 @@ constexpr int min_ctas_per_sm(int nt) { return nt >= 8 ? 3 : 4; }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // device helpers: the sm_80 pass has no use
 
 constexpr int kRedStride = kRowsPerCta + 4;  // fp32 partials [token][row]; +4 avoids bank conflicts
+constexpr int kPrefetchAhead = 2;            // L2 prefetch distance beyond the register loads, in steps
 
 // 16 bytes of the weight: read once, never again, so keep it out of L1 and fetch whole L2 lines.
 __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -48,6 +62,26 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
   return r;
+}
+
+// bytes (a multiple of 16, 16-byte aligned) of the weight into L2, asynchronously: a hint that
+// holds no registers and is never waited for.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// One main-loop step (kKStep columns from column c, clipped to ke) of one weight row into L2.
+template <typename T>
+__device__ __forceinline__ void prefetch_step(const T* row, int c, int ke) {
+  if (c < ke) prefetch_l2(row + c, static_cast<uint32_t>(min(kKStep, ke - c) * sizeof(T)));
+}
+
+// Programmatic dependent launch (PTX griddepcontrol): no-ops when the launch did not ask for it.
+__device__ __forceinline__ void wait_for_previous_grid() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void allow_next_grid() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // 16 bytes of x: reused by the CTA's four warps, so through L1.
@@ -99,7 +133,7 @@ __device__ __forceinline__ void mma_k32(float (&acc)[NT][4], const uint4& w_lo, 
 #endif  // !__CUDA_ARCH__ || __CUDA_ARCH__ >= 900
 
 // Grid (S, ceil(n / 64)), cluster (S, 1, 1): blockIdx.x is the K split, blockIdx.y the row block.
-template <typename T, int NT>
+template <typename T, int NT, bool kPrefetchL2, bool kPdl>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
     splitk_kernel(T* __restrict__ out,        // [m, n]
                   const T* __restrict__ x,    // [m, k], m <= 8 * NT
@@ -121,6 +155,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
 
   const T* w_lo = w + static_cast<int64_t>(r_lo) * k + 8 * t;
   const T* w_hi = w + static_cast<int64_t>(r_hi) * k + 8 * t;
+  // The L2 prefetch: the 8 lanes with t == 0 (w_lo, w_hi at column 0 of rows g, g + 8) cover the
+  // warp's 16 rows, a step at a time, reusing the load pointers (no registers to spare at NT = 2).
+  // Steps 0..kPrefetchAhead are asked for up front: all of them while a PDL launch waits for the
+  // previous kernel, otherwise only those the register loads below do not reach at once.
+  const bool pf_lane = kPrefetchL2 && t == 0;
+  if (pf_lane) {
+#pragma unroll
+    for (int s = kPdl ? 0 : 2; s <= kPrefetchAhead; ++s) {
+      prefetch_step(w_lo, kb + s * kKStep, ke);
+      prefetch_step(w_hi, kb + s * kKStep, ke);
+    }
+  }
+  if (kPdl) wait_for_previous_grid();  // x, and the weight's registers, only after this
+
   const T* x_rows[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) x_rows[j] = x + static_cast<int64_t>(min(8 * j + g, m - 1)) * k + 8 * t;
@@ -142,6 +190,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
   }
   for (int kk = kb; kk < ke; kk += kKStep) {
     const int kn = kk + kKStep;
+    if (pf_lane) {
+      prefetch_step(w_lo, kn + kPrefetchAhead * kKStep, ke);
+      prefetch_step(w_hi, kn + kPrefetchAhead * kKStep, ke);
+    }
     uint4 nxt_lo[4], nxt_hi[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -162,6 +214,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
       cur_hi[u] = nxt_hi[u];
     }
   }
+
+  if (kPdl) allow_next_grid();  // only the reduction and the stores are left
 
   // Partial sums to shared memory as [token][row]: c0, c1 are (row g, tokens 2t, 2t+1) and
   // c2, c3 the same tokens for row g + 8.
@@ -201,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
 #endif
 }
 
-template <typename T, int NT>
+template <typename T, int NT, bool kPrefetchL2, bool kPdl>
 cudaError_t launch(const Problem& p, int splits) {
   const int k = static_cast<int>(p.k);
   // Columns per split, a multiple of 8 (a thread's load); the last split may get fewer.
@@ -211,44 +265,62 @@ cudaError_t launch(const Problem& p, int splits) {
   cfg.blockDim = dim3(kThreads, 1, 1);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = p.stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = splits;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, splitk_kernel<T, NT>, static_cast<T*>(p.out),
+  cfg.numAttrs = kPdl ? 2 : 1;
+  return cudaLaunchKernelEx(&cfg, splitk_kernel<T, NT, kPrefetchL2, kPdl>, static_cast<T*>(p.out),
                             static_cast<const T*>(p.x), static_cast<const T*>(p.w),
                             static_cast<int>(p.m), static_cast<int>(p.n), k, k_chunk);
 }
 
-template <typename T>
+template <typename T, bool kPrefetchL2, bool kPdl>
 cudaError_t launch_for_m(const Problem& p, int splits) {
-  if (p.m <= 8) return launch<T, 1>(p, splits);
-  if (p.m <= 16) return launch<T, 2>(p, splits);
-  if (p.m <= 32) return launch<T, 4>(p, splits);
-  return launch<T, 8>(p, splits);
+  if (p.m <= 8) return launch<T, 1, kPrefetchL2, kPdl>(p, splits);
+  if (p.m <= 16) return launch<T, 2, kPrefetchL2, kPdl>(p, splits);
+  if (p.m <= 32) return launch<T, 4, kPrefetchL2, kPdl>(p, splits);
+  return launch<T, 8, kPrefetchL2, kPdl>(p, splits);
+}
+
+template <typename T>
+cudaError_t launch_variant(const Problem& p, int splits, SplitKVariant variant) {
+  switch (variant) {
+    case SplitKVariant::kRound2:
+      return launch_for_m<T, false, false>(p, splits);
+    case SplitKVariant::kPrefetch:
+      return launch_for_m<T, true, false>(p, splits);
+    case SplitKVariant::kPrefetchPdl:
+      return launch_for_m<T, true, true>(p, splits);
+  }
+  return cudaErrorNotSupported;
 }
 
 }  // namespace
 
 int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count) {
-  // Ask for about as many CTAs as fit on the GPU at once (min_ctas_per_sm per SM), so every SM
-  // streams and none runs a second wave, but keep at least 128 columns per split.
+  // Measured on the H200 (2026-11-29, bench_qkv_gemm.py configs): 4 splits beat 5 and 8 on every
+  // shape, so no more than 4; fewer only where 4 x row blocks would not all be resident at once
+  // (32B: 160 x 4 > 4 x 132) or the split would get less than one main-loop step of K.
   const int nt = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
   const int64_t row_blocks = (n + kRowsPerCta - 1) / kRowsPerCta;
-  int64_t s = (min_ctas_per_sm(nt) * static_cast<int64_t>(sm_count)) / std::max<int64_t>(1, row_blocks);
-  s = std::min<int64_t>(s, k / kKStep);
-  return static_cast<int>(std::clamp<int64_t>(s, 1, 8));
+  const int64_t resident = static_cast<int64_t>(min_ctas_per_sm(nt)) * std::max(1, sm_count);
+  int s = 4;
+  while (s > 1 && (row_blocks * s > resident || k < static_cast<int64_t>(s) * kKStep)) s /= 2;
+  return s;
 }
 
-cudaError_t splitk_gemm(const Problem& p, bool bf16, int splits) {
+cudaError_t splitk_gemm(const Problem& p, bool bf16, int splits, SplitKVariant variant) {
   if (p.m < 1 || p.m > kSplitKMaxM || splits < 1 || splits > 8) return cudaErrorNotSupported;
   if (p.n % 8 != 0 || p.k % 8 != 0 || p.k > (int64_t{1} << 30) || p.n > (int64_t{1} << 30)) {
     return cudaErrorNotSupported;
   }
-  cudaError_t err = bf16 ? launch_for_m<__nv_bfloat16>(p, splits) : launch_for_m<__half>(p, splits);
+  cudaError_t err = bf16 ? launch_variant<__nv_bfloat16>(p, splits, variant)
+                         : launch_variant<__half>(p, splits, variant);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 

@@ -107,6 +107,20 @@ def summary():
             best = ranked[0]
             second = f" [{ranked[1][1]} {ranked[1][0] * 1e6:.1f}]" if len(ranked) > 1 else ""
             print(f"T={t:>5} {m:>5}: {best[1]:<24} {best[0] * 1e6:8.1f}{second}")
+        # the same winners laid out like kTable in csrc/kernels/gemm/qkv_gemm.cu (rows T, columns
+        # the shapes), with the runner-up's margin where it is within 2% (a tie, not a choice)
+        models = list(QKV_SHAPES)
+        print("\nas kTable: T | " + " | ".join(models))
+        for t in sorted({t for _, t in _BEST}):
+            cells = []
+            for m in models:
+                ranked = _BEST.get((m, t))
+                if not ranked:
+                    cells.append("-")
+                    continue
+                tie = len(ranked) > 1 and ranked[1][0] <= ranked[0][0] * 1.02
+                cells.append(ranked[0][1] + (f" (~{ranked[1][1]})" if tie else ""))
+            print(f"{t:>5} | " + " | ".join(cells))
 
 
 @pytest.mark.parametrize("model,t", CASES, ids=IDS)

@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_round.sh                      # everything
 #   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
-#   TESTS=none BENCH=none bash scripts/gpu_round.sh  # build only
+#   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
+#   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated
 #
 # On the lent H200 (no internet) the nvidia-cutlass wheel travels in .whl/ (see README). Logs and
 # the benchmark table go to $OUT (or ./out) so they come back.
@@ -45,4 +46,16 @@ if [ "$BENCH" != none ]; then
      --benchmark-disable $BENCH 2>&1) > "$OUT/bench.log"
   grep -E "^\[bench\]|FAILED|Error" "$OUT/bench.log" | head -80
   echo; echo "== benchmark table =="; cat "$OUT/bench.md" 2>/dev/null
+fi
+
+# Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random weights.
+ENGINE=${ENGINE:-"--size 0.6B;--size 0.6B --num-seqs 32 --baseline hf;--size 8B --batch1;--size 8B"}
+if [ "$ENGINE" != none ]; then
+  : > "$OUT/engine.log"
+  IFS=';' read -ra runs <<< "$ENGINE"
+  for args in "${runs[@]}"; do
+    echo "== bench_engine.py $args ==" | tee -a "$OUT/engine.log"
+    (cd benchmarks && timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py $args 2>&1) \
+      | grep -v "Generating" | tee -a "$OUT/engine.log" | tail -6
+  done
 fi

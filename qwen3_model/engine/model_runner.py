@@ -15,6 +15,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
 import qwen3_kernels
 from qwen3_model.config import Config
@@ -38,8 +39,6 @@ class ModelRunner:
         self.use_cuda = self.device.type == "cuda"
         self.enforce_eager = config.enforce_eager or not self.use_cuda
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.num_q_heads = hf.num_attention_heads // self.world_size  # this rank's
-        self.num_kv_heads = hf.num_key_value_heads // self.world_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         if self.use_cuda:
             torch.cuda.set_device(self.device)
@@ -64,6 +63,9 @@ class ModelRunner:
                              if hasattr(m, "k_cache") and hasattr(m, "v_cache")]
         if not self.attn_modules:
             raise RuntimeError("the model has no modules with k_cache / v_cache to give a KV cache")
+        # this rank's heads, as the model split them (kv heads may be replicated, not split)
+        self.num_q_heads = self.attn_modules[0].num_heads
+        self.num_kv_heads = self.attn_modules[0].num_kv_heads
         # the split-KV scratch of decode attention, sliced per step (no allocation in the graphs)
         self.workspace = (
             qwen3_kernels.decode_workspace(config.max_num_seqs, self.num_q_heads, self.head_dim,
@@ -139,6 +141,11 @@ class ModelRunner:
         else:
             useful = cfg.max_num_seqs * self.max_blocks_per_seq  # more could never be used
             num_blocks = min(int(cfg.cpu_kvcache_gib * 2**30) // self.block_bytes(), useful)
+        if self.world_size > 1 and dist.is_initialized():
+            # every rank must page the same block ids: take the smallest pool any rank can hold
+            n = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            num_blocks = int(n.item())
         if num_blocks < 1:
             raise RuntimeError(
                 f"no room for the KV cache: one block needs {self.block_bytes() / 2**20:.1f} MiB; "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,23 @@ from qwen3_model.layers.sampler import Sampler, SamplingBatch
 from qwen3_model.utils.context import Context, reset_context, set_context
 
 
+@dataclass
+class StepPlan:
+    """One step's inputs as plain lists (picklable: what rank 0 sends the other TP ranks)."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T]
+    sample_rows: list[int]  # rows of the step whose logits are sampled
+    bucket: int | None = None  # CUDA graph batch size to replay, None = eager
+    cu_q: list[int] | None = None  # [P + 1] prefill part, None when there is none
+    lens_k: list[int] | None = None  # [P]
+    prefill_tables: list[list[int]] | None = None
+    max_q: int = 0
+    decode_lens: list[int] | None = None  # [D] decode part, None when there is none
+    decode_tables: list[list[int]] | None = None
+
+
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0):
         from qwen3_model.models.qwen3 import Qwen3ForCausalLM
@@ -32,6 +50,7 @@ class ModelRunner:
         self.config = config
         hf = config.hf_config
         self.rank = rank
+        self.worker_conns: list = []  # rank 0, tensor parallel: pipes to the other ranks
         self.world_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf.vocab_size
@@ -231,58 +250,71 @@ class ModelRunner:
             out.extend(range(base + pos, base + stop))
             pos = stop
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
         # padding 0 (a valid block) rather than -1: entries past a sequence's length are never
         # read, but a valid index keeps a stray read in bounds
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return self._to_device(rows, torch.int32)
+        return self._to_device([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def plan_step(self, batch: ScheduledBatch) -> tuple[StepPlan, list[Sequence]]:
+        """The step's flat batch as plain lists, and the sequences whose logits get sampled."""
+        bs = self.block_size
+        plan = StepPlan([], [], [], [])
+        sample_seqs: list[Sequence] = []
+        if batch.prefills:
+            plan.cu_q, plan.lens_k, plan.prefill_tables = [0], [], []
+            for seq, n in batch.prefills:
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                plan.input_ids.extend(seq.token_ids[start:end])
+                plan.positions.extend(range(start, end))
+                self._slots(seq, start, end, plan.slots)
+                plan.cu_q.append(plan.cu_q[-1] + n)
+                plan.lens_k.append(end)
+                plan.prefill_tables.append(seq.block_table)
+                if end == len(seq.token_ids):
+                    plan.sample_rows.append(plan.cu_q[-1] - 1)
+                    sample_seqs.append(seq)
+            plan.max_q = max(n for _, n in batch.prefills)
+        if batch.decodes:
+            n_pre = len(plan.input_ids)
+            plan.decode_lens, plan.decode_tables = [], []
+            for i, seq in enumerate(batch.decodes):
+                pos = seq.num_computed_tokens
+                plan.input_ids.append(seq.token_ids[pos])
+                plan.positions.append(pos)
+                plan.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                plan.decode_lens.append(pos + 1)
+                plan.decode_tables.append(seq.block_table)
+                if pos + 1 == len(seq.token_ids):
+                    plan.sample_rows.append(n_pre + i)
+                    sample_seqs.append(seq)
+        plan.bucket = self._graph_bucket(batch)
+        return plan, sample_seqs
+
+    def plan_tensors(self, plan: StepPlan):
+        """-> input_ids [T] int64, positions [T] int64 and the attention Context, on the device."""
+        ctx = Context()
+        if plan.cu_q is not None:
+            ctx.num_prefill_tokens = plan.cu_q[-1]
+            ctx.cu_seqlens_q = self._to_device(plan.cu_q, torch.int32)
+            ctx.max_seqlen_q = plan.max_q
+            ctx.prefill_seq_lens_k = self._to_device(plan.lens_k, torch.int32)
+            ctx.prefill_block_tables = self._block_tables(plan.prefill_tables)
+        if plan.decode_lens is not None:
+            ctx.decode_seq_lens = self._to_device(plan.decode_lens, torch.int32)
+            ctx.decode_block_tables = self._block_tables(plan.decode_tables)
+            if self.workspace is not None:
+                ctx.decode_workspace = self.workspace[: len(plan.decode_lens)]
+        ctx.slot_mapping = self._to_device(plan.slots, torch.int32)
+        return (self._to_device(plan.input_ids, torch.int64),
+                self._to_device(plan.positions, torch.int64), ctx)
 
     def prepare_step(self, batch: ScheduledBatch):
         """-> input_ids [T] int64, positions [T] int64, Context, sample_rows (hidden rows whose
         logits are sampled, batch order) and the sequences they belong to."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        ctx = Context()
-        if batch.prefills:
-            cu_q, lens_k = [0], []
-            for seq, n in batch.prefills:
-                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-                input_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                self._slots(seq, start, end, slots)
-                cu_q.append(cu_q[-1] + n)
-                lens_k.append(end)
-                if end == len(seq.token_ids):
-                    sample_rows.append(cu_q[-1] - 1)
-                    sample_seqs.append(seq)
-            ctx.num_prefill_tokens = cu_q[-1]
-            ctx.cu_seqlens_q = self._to_device(cu_q, torch.int32)
-            ctx.max_seqlen_q = max(n for _, n in batch.prefills)
-            ctx.prefill_seq_lens_k = self._to_device(lens_k, torch.int32)
-            ctx.prefill_block_tables = self._block_tables([s for s, _ in batch.prefills])
-        if batch.decodes:
-            lens = []
-            for i, seq in enumerate(batch.decodes):
-                pos = seq.num_computed_tokens
-                input_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                slots.append(seq.block_table[pos // self.block_size] * self.block_size
-                             + pos % self.block_size)
-                lens.append(pos + 1)
-                if pos + 1 == len(seq.token_ids):
-                    sample_rows.append(ctx.num_prefill_tokens + i)
-                    sample_seqs.append(seq)
-            ctx.decode_seq_lens = self._to_device(lens, torch.int32)
-            ctx.decode_block_tables = self._block_tables(batch.decodes)
-            if self.workspace is not None:
-                ctx.decode_workspace = self.workspace[: len(batch.decodes)]
-        ctx.slot_mapping = self._to_device(slots, torch.int32)
-        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                ctx, sample_rows, sample_seqs)
+        plan, sample_seqs = self.plan_step(batch)
+        input_ids, positions, ctx = self.plan_tensors(plan)
+        return input_ids, positions, ctx, plan.sample_rows, sample_seqs
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
         if not self.graphs or batch.prefills:
@@ -314,22 +346,30 @@ class ModelRunner:
         return g["outputs"][:n]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Run one step; returns the sampled token of each sequence whose chunk reached its last
-        token, in batch order (what ``Scheduler.postprocess`` expects). Empty on ranks > 0."""
-        input_ids, positions, ctx, sample_rows, sample_seqs = self.prepare_step(batch)
-        bucket = self._graph_bucket(batch)
-        self.last_step_used_graph = bucket is not None
-        self.num_graph_steps += bucket is not None
-        hidden = self.run_model(input_ids, positions, ctx, bucket)
-        if not sample_rows:
-            return []
-        if len(sample_rows) == hidden.shape[0]:
+    def forward_plan(self, plan: StepPlan) -> torch.Tensor | None:
+        """Every rank: the forward of one step and the logits of its sampled rows
+        ([N, vocab] fp32 on rank 0, None elsewhere or when nothing is sampled)."""
+        input_ids, positions, ctx = self.plan_tensors(plan)
+        self.last_step_used_graph = plan.bucket is not None
+        self.num_graph_steps += plan.bucket is not None
+        hidden = self.run_model(input_ids, positions, ctx, plan.bucket)
+        if not plan.sample_rows:
+            return None
+        if len(plan.sample_rows) == hidden.shape[0]:
             last = hidden  # every token is sampled (decode-only steps): no gather
         else:
-            last = hidden[self._to_device(sample_rows, torch.int64)]
-        logits = self.model.compute_logits(last)
-        if self.rank != 0 or logits is None:
+            last = hidden[self._to_device(plan.sample_rows, torch.int64)]
+        return self.model.compute_logits(last)  # collective across the TP ranks
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Rank 0: run one step on every rank; returns the sampled token of each sequence whose
+        chunk reached its last token, in batch order (what ``Scheduler.postprocess`` expects)."""
+        plan, sample_seqs = self.plan_step(batch)
+        for conn in self.worker_conns:  # the other TP ranks run the same step
+            conn.send(("run", plan))
+        logits = self.forward_plan(plan)
+        if logits is None:
             return []
         sampling = SamplingBatch.build(
             [s.params for s in sample_seqs],

@@ -323,8 +323,6 @@ def test_other_request_errors(llm, tied):
         LLM(path, kvcache_block_size=8)
     with pytest.raises(ValueError, match="LLM: model must be a checkpoint folder"):
         LLM(path + "/nope")
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
-        LLM(path, tensor_parallel_size=2)
     small = LLM(path, kvcache_block_size=BS, max_num_seqs=2, max_num_batched_tokens=64,
                 num_kvcache_blocks=2)
     with pytest.raises(ValueError, match="request 0: .*KV cache.*holds 32"):

@@ -9,9 +9,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
+import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Iterator, Sequence as Seq
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from qwen3_model.config import Config
 from qwen3_model.engine.model_runner import ModelRunner
@@ -62,13 +69,29 @@ class LLMEngine:
         if unknown:
             raise ValueError(f"LLM: unknown argument(s) {unknown}; expected some of: {sorted(known)}")
         config = Config(model, **kwargs)
-        if config.tensor_parallel_size > 1:
-            raise NotImplementedError(
-                f"LLM: tensor_parallel_size={config.tensor_parallel_size} is not implemented yet "
-                "(one process per GPU comes in a later version); use tensor_parallel_size=1"
-            )
         self.config = config
-        self.model_runner = ModelRunner(config, rank=0)
+        self._workers: list = []
+        world = config.tensor_parallel_size
+        if world > 1:
+            if config.device == "cuda" and torch.cuda.device_count() < world:
+                raise ValueError(f"LLM: tensor_parallel_size={world} needs {world} GPUs, "
+                                 f"torch sees {torch.cuda.device_count()}")
+            if dist.is_initialized():
+                raise RuntimeError("LLM: a torch.distributed process group already exists in "
+                                   "this process; tensor_parallel_size > 1 makes its own")
+            self._workers = _start_workers(model, kwargs, config, world)
+        try:
+            self.model_runner = ModelRunner(config, rank=0)
+            if self._workers:
+                self.model_runner.worker_conns = [conn for _, conn in self._workers]
+                for rank, (proc, conn) in enumerate(self._workers, start=1):
+                    msg = conn.recv()
+                    if msg[0] != "ready":
+                        raise RuntimeError(f"LLM: tensor-parallel rank {rank} failed: {msg[1]}")
+        except BaseException:
+            _stop_workers(self._workers, world > 1)
+            raise
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, world > 1)
         self.tokenizer = self._load_tokenizer(config.model)
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_blocks,
@@ -79,6 +102,10 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=config.eos_token_ids,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (also done at exit / garbage collection)."""
+        self._finalizer()
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -305,3 +332,72 @@ class LLMEngine:
                 num_cached_tokens=seq.num_cached_tokens,
             )
         return [finished[i] for i in sorted(finished)]
+
+
+# ---- tensor parallelism: one process per rank, rank 0 (this process) drives ---------------------
+
+_TP_TIMEOUT = timedelta(minutes=10)  # a rank that died shows up as a collective timing out
+
+
+def _init_tp_group(config: Config, rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=_TP_TIMEOUT)
+
+
+def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn) -> None:
+    """Ranks 1..world-1: build the same runner, then run every step rank 0 sends."""
+    try:
+        config = Config(model, **kwargs)
+        if config.device == "cpu":
+            torch.set_num_threads(1)  # the ranks share the machine's cores
+        _init_tp_group(config, rank, world, port)
+        runner = ModelRunner(config, rank=rank)
+        conn.send(("ready", runner.num_blocks))
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        while True:
+            msg, arg = conn.recv()
+            if msg == "exit":
+                break
+            runner.forward_plan(arg)
+    except EOFError:  # rank 0 went away
+        pass
+    finally:
+        dist.destroy_process_group()
+
+
+def _start_workers(model: str, kwargs: dict, config: Config, world: int) -> list:
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, world):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_tp_worker, args=(model, kwargs, rank, world, port, child),
+                           daemon=True)
+        proc.start()
+        workers.append((proc, parent))
+    _init_tp_group(config, 0, world, port)
+    return workers
+
+
+def _stop_workers(workers: list, owns_group: bool) -> None:
+    for proc, conn in workers:
+        try:
+            conn.send(("exit", None))
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+    for proc, _ in workers:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    workers.clear()
+    if owns_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -47,6 +47,13 @@ constexpr Decomposition H = Decomposition::kHeuristic;
 constexpr Decomposition DP = Decomposition::kDataParallel;
 constexpr Decomposition SK = Decomposition::kStreamK;
 constexpr Choice splitk(int s) { return {Config::kSplitK, Decomposition::kSplitK, s}; }
+// Not in the table yet (unmeasured); here so that a measured win is a data edit.
+[[maybe_unused]] constexpr Choice splitk_pf(int s) {
+  return {Config::kSplitKPf, Decomposition::kSplitK, s};
+}
+[[maybe_unused]] constexpr Choice splitk_pdl(int s) {
+  return {Config::kSplitKPdl, Decomposition::kSplitK, s};
+}
 constexpr Choice swap(Decomposition d) { return {Config::kSwap128x64, d, 0}; }
 constexpr Choice t128(Decomposition d) { return {Config::kTile128x128, d, 0}; }
 constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
@@ -60,7 +67,8 @@ constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
 // What the measurement showed:
 //   - M <= 32: the hand-written split-K streams fastest with 4 splits (all CTAs resident at once,
 //     clusters of 4); 32B (160 row blocks) with 2 or 3, since 4 x 160 CTAs need a second wave.
-//     4 splits beat the old SM-count default (5 or 8 splits) by up to 27% (8B M=1: 16.6 vs 22.8 us).
+//     4 splits beat the old SM-count default (5 or 8 splits) by up to 27% (8B M=1: 16.6 vs
+//     22.8 us).
 //   - M = 33..128: CUTLASS with swapped operands (weight rows on the 128-wide side); splitk only
 //     for the two small shapes, the 128x128 tile at M = 128 for 0.6B.
 //   - M = 129..1024: 128x128 tiles mostly, swapped tiles for the small / mid shapes where measured

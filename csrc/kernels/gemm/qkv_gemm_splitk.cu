@@ -16,8 +16,8 @@
 //     (S <= 8). The S CTAs of one row block form a thread-block cluster and reduce their partial
 //     sums through distributed shared memory: one launch, no workspace, no atomics, deterministic.
 //
-// Two variants for the next measurement round (the dispatcher's splitk_pf / splitk_pdl; "splitk" is
-// the kernel as measured on 2026-11-29, unchanged):
+// Two variants for the next measurement round (the dispatcher's splitk_pf / splitk_pdl; "splitk"
+// is the kernel as measured on 2026-11-29, unchanged):
 //   - kPrefetchL2: 8 lanes of each warp also ask L2 for the warp's 16 rows kPrefetchAhead steps
 //     beyond the register loads (cp.async.bulk.prefetch.L2: no registers, no completion to wait
 //     for). Each split streams only ~8 steps (8B: 1024 of K over 4 splits), so the start-up, not
@@ -53,7 +53,7 @@ constexpr int min_ctas_per_sm(int nt) { return nt >= 8 ? 3 : 4; }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // device helpers: the sm_80 pass has no use
 
 constexpr int kRedStride = kRowsPerCta + 4;  // fp32 partials [token][row]; +4 avoids bank conflicts
-constexpr int kPrefetchAhead = 2;            // L2 prefetch distance beyond the register loads, in steps
+constexpr int kPrefetchAhead = 2;            // L2 prefetch distance past the register loads (steps)
 
 // 16 bytes of the weight: read once, never again, so keep it out of L1 and fetch whole L2 lines.
 __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -274,8 +274,9 @@ cudaError_t launch(const Problem& p, int splits) {
   attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = kPdl ? 2 : 1;
-  return cudaLaunchKernelEx(&cfg, splitk_kernel<T, NT, kPrefetchL2, kPdl>, static_cast<T*>(p.out),
-                            static_cast<const T*>(p.x), static_cast<const T*>(p.w),
+  return cudaLaunchKernelEx(&cfg, splitk_kernel<T, NT, kPrefetchL2, kPdl>,
+                            static_cast<T*>(p.out), static_cast<const T*>(p.x),
+                            static_cast<const T*>(p.w),
                             static_cast<int>(p.m), static_cast<int>(p.n), k, k_chunk);
 }
 

@@ -76,7 +76,8 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
     kw = dict(max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kvcache_block_size=args.block_size, dtype=args.dtype)
+              kvcache_block_size=args.block_size, dtype=args.dtype,
+              tensor_parallel_size=args.tensor_parallel_size)
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
@@ -206,6 +207,8 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="GPUs (one process each); weights bandwidth is then per GPU")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -220,7 +223,8 @@ def main(argv=None):
             write_random_checkpoint(tmp, args.size, dtype=dtype, weights=False, tokenizer=False)
             path, dummy, name = tmp, True, f"Qwen3-{args.size} (random weights)"
         result = {"model": name, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
-                  else "cpu", "enforce_eager": args.enforce_eager}
+                  else "cpu", "enforce_eager": args.enforce_eager,
+                  "tensor_parallel_size": args.tensor_parallel_size}
 
         if args.batch1:
             llm = make_llm(path, args, dummy)
@@ -228,10 +232,13 @@ def main(argv=None):
             prompt = random.Random(0).choices(range(min(10000, vocab)), k=128)
             bytes_per_token = weight_bytes_per_token(llm.model_runner.model)
             decode_tps, e2e_tps = run_ours_batch1(llm, prompt, 512)
+            llm.close()
             del llm
             free_gpu()
             bw = decode_tps * bytes_per_token / 1e12
-            print(f"\n{name}, batch 1, 128-token prompt, 512 new tokens:")
+            tp = args.tensor_parallel_size
+            print(f"\n{name}, batch 1, 128-token prompt, 512 new tokens"
+                  + (f", tensor parallel {tp} (bandwidth per GPU)" if tp > 1 else "") + ":")
             print(f"  ours: {decode_tps:,.1f} decode tok/s ({e2e_tps:,.1f} end to end); weights "
                   f"{bytes_per_token / 1e9:.2f} GB/token -> {bw:.2f} TB/s = "
                   f"{bw / H200_READ_TBS:.0%} of the {H200_READ_TBS} TB/s read ceiling "
@@ -253,6 +260,7 @@ def main(argv=None):
             sched = llm.scheduler
             stats = dict(steps=sched.num_steps, preemptions=sched.num_preemptions,
                          partial_prefills=sched.num_partial_prefills)
+            llm.close()
             del llm, sched
             free_gpu()
             tps = n_out / seconds

@@ -14,4 +14,8 @@ class LLM(LLMEngine):
     """``LLM(model, tensor_parallel_size=1, dtype="auto", max_model_len=4096,
     gpu_memory_utilization=0.9, enforce_eager=False, kvcache_block_size=256,
     max_num_batched_tokens=16384, max_num_seqs=512, enable_prefix_caching=True, ...)``;
-    every setting is a field of ``qwen3_model.config.Config``."""
+    every setting is a field of ``qwen3_model.config.Config``.
+
+    With ``tensor_parallel_size=N > 1`` the engine spawns N - 1 worker processes (one per GPU,
+    NCCL; gloo on CPU) and this process is rank 0; ``llm.close()`` (or garbage collection, or
+    interpreter exit) stops them."""

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_round.sh                      # everything
 #   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
+#   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated
 #
 # On the lent H200 (no internet) the nvidia-cutlass wheel travels in .whl/ (see README). Logs and
@@ -18,12 +19,14 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 if ! python3 -c "import cutlass_library" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || exit 1
 fi
-start=$(date +%s)
-MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install --no-build-isolation --no-deps -e . \
-  >"$OUT/build.log" 2>&1
-rc=$?
-echo "build: rc=$rc in $(( $(date +%s) - start )) s"
-if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1; fi
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  start=$(date +%s)
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install --no-build-isolation --no-deps -e . \
+    >"$OUT/build.log" 2>&1
+  rc=$?
+  echo "build: rc=$rc in $(( $(date +%s) - start )) s"
+  if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1; fi
+fi
 (cd /tmp && python3 -c "import torch, qwen3_kernels; assert qwen3_kernels.has_cuda_kernels(), qwen3_kernels.cuda_kernels_import_error(); print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)") || exit 1
 
 TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}

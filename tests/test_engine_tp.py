@@ -1,7 +1,14 @@
 """The engine at tensor_parallel_size=2 on CPU (gloo, one spawned worker process): greedy output
-equals transformers' greedy generate, through chunked prefill and prefix-cache hits."""
+equals transformers' greedy generate, through chunked prefill and prefix-cache hits; and the
+workers' lifecycle: close(), a killed worker, a worker that raises, KeyboardInterrupt on rank 0
+all leave no process behind, and a dead worker is named in a RuntimeError."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -23,6 +30,43 @@ def hf_greedy(hf, prompt, n):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                           min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_llm(path):
+    return LLM(path, tensor_parallel_size=2, kvcache_block_size=16, max_num_seqs=4,
+               max_num_batched_tokens=24)
+
+
+def worker_pids(llm):
+    return [proc.pid for proc, _ in llm._workers]
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_no_process_left(pids):
+    """Every worker pid gone (reaped, not a zombie) and no multiprocessing child left."""
+    assert pids, "the test expected worker processes"
+    assert not [p for p in pids if pid_alive(p)]
+    assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()
+
+
+PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8], [11, 2, 3, 5, 7, 13, 17, 19, 23, 29]]
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def test_tp2_greedy_matches_transformers(ckpt):
@@ -54,3 +98,78 @@ def test_tp_that_does_not_divide_the_heads_fails_clearly(ckpt):
         LLM(ckpt[0], tensor_parallel_size=3, kvcache_block_size=16, max_num_seqs=4,
             max_num_batched_tokens=24)
     assert not torch.distributed.is_initialized()
+
+
+def test_close_after_a_run_leaves_no_process(ckpt, one_thread):
+    llm = make_llm(ckpt[0])
+    pids = worker_pids(llm)
+    assert all(pid_alive(p) for p in pids)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    t0 = time.monotonic()
+    llm.close()
+    assert time.monotonic() - t0 < 10  # the worker left on "exit", it was not waited out
+    assert_no_process_left(pids)
+    llm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="close"):
+        llm.generate(PROMPTS, use_tqdm=False)
+
+
+def test_garbage_collection_stops_the_workers(ckpt, one_thread):
+    import gc
+
+    llm = make_llm(ckpt[0])
+    pids = worker_pids(llm)
+    del llm
+    gc.collect()
+    assert_no_process_left(pids)
+
+
+def test_killed_worker_raises_and_leaves_no_process(ckpt, one_thread):
+    llm = make_llm(ckpt[0])
+    pids = worker_pids(llm)
+    steps = 0
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) died with exit code -9 "
+                                           r"\(signal SIGKILL\)"):
+        for _ in llm.stream(PROMPTS, LONG):  # 40 decode steps: the kill lands mid-generation
+            steps += 1
+            if steps == 3:
+                os.kill(pids[0], signal.SIGKILL)
+    assert time.monotonic() - t0 < 20
+    assert 3 <= steps < 40
+    assert_no_process_left(pids)
+    with pytest.raises(RuntimeError, match="make a new LLM"):  # the engine refuses more steps
+        llm.generate(PROMPTS, use_tqdm=False)
+    llm.close()  # harmless afterwards
+
+
+def test_worker_exception_surfaces_and_leaves_no_process(ckpt, one_thread):
+    llm = make_llm(ckpt[0])
+    pids = worker_pids(llm)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    # a step the worker cannot run: it raises inside its loop while rank 0 runs the real step
+    llm.model_runner.worker_conns[0].send(("run", None))
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) died with exit code 1: "
+                                           r"AttributeError"):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert_no_process_left(pids)
+    llm.close()
+
+
+def test_keyboard_interrupt_on_rank0_stops_the_workers(ckpt, one_thread):
+    llm = make_llm(ckpt[0])
+    pids = worker_pids(llm)
+    runner = llm.model_runner
+    forward, calls = runner.forward_plan, []
+
+    def interrupted(plan):  # Ctrl-C lands in rank 0's forward while the worker is in the step
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(plan)
+
+    runner.forward_plan = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, LONG, use_tqdm=False)
+    assert_no_process_left(pids)
+    llm.close()

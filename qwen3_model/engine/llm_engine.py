@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -80,16 +83,17 @@ class LLMEngine:
                 raise RuntimeError("LLM: a torch.distributed process group already exists in "
                                    "this process; tensor_parallel_size > 1 makes its own")
             self._workers = _start_workers(model, kwargs, config, world)
+        self._stopped: str | None = None  # why the tensor-parallel workers are gone, once they are
         try:
             self.model_runner = ModelRunner(config, rank=0)
             if self._workers:
                 self.model_runner.worker_conns = [conn for _, conn in self._workers]
                 for rank, (proc, conn) in enumerate(self._workers, start=1):
-                    msg = conn.recv()
+                    msg = _recv_while_alive(self._workers, rank)
                     if msg[0] != "ready":
                         raise RuntimeError(f"LLM: tensor-parallel rank {rank} failed: {msg[1]}")
         except BaseException:
-            _stop_workers(self._workers, world > 1)
+            _stop_workers(self._workers, world > 1, graceful=False)
             raise
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers, world > 1)
         self.tokenizer = self._load_tokenizer(config.model)
@@ -104,8 +108,29 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (also done at exit / garbage collection)."""
+        """Stop the tensor-parallel worker processes (also done at exit / garbage collection);
+        with tensor_parallel_size > 1 the engine cannot run steps afterwards."""
         self._finalizer()
+        if self.config.tensor_parallel_size > 1 and self._stopped is None:
+            self._stopped = "close() stopped the tensor-parallel workers"
+
+    def _fail_tp(self, error: BaseException) -> None:
+        """A step failed with workers running: some rank is mid-step, so the ranks can no longer
+        agree on what runs next. Find the worker that died (if one did), stop them all, and raise
+        an error naming it; the engine refuses further steps."""
+        dead = None
+        if not isinstance(error, KeyboardInterrupt):
+            # a worker's crash reaches rank 0 as a broken pipe / gloo "connection closed";
+            # give the worker a moment to finish exiting so the error can name it
+            deadline = time.monotonic() + _FAIL_GRACE_S
+            while (dead := _dead_worker(self._workers)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        _stop_workers(self._workers, True, graceful=False)
+        self._finalizer.detach()  # done here; a later LLM's process group is not ours to destroy
+        self._stopped = (f"a failed step stopped the tensor-parallel workers "
+                         f"({dead or f'rank 0 raised {type(error).__name__}: {error}'})")
+        if dead is not None:
+            raise RuntimeError(f"LLM: {dead}; the tensor-parallel workers were stopped") from error
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -197,10 +222,21 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int, int]:
         """One scheduled forward. -> (sequences that got a token, prefill tokens, decode tokens)."""
+        if self._stopped is not None:
+            raise RuntimeError(f"LLM: {self._stopped}; make a new LLM to generate again")
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("the scheduler made an empty step with requests pending")
-        tokens = self.model_runner.run(batch)
+        if not self._workers:
+            tokens = self.model_runner.run(batch)
+        else:
+            try:
+                if any(proc.exitcode is not None for proc, _ in self._workers):
+                    raise RuntimeError("a worker died between steps")  # _fail_tp names it
+                tokens = self.model_runner.run(batch)
+            except BaseException as e:
+                self._fail_tp(e)
+                raise
         got = self.scheduler.postprocess(batch, tokens)
         return got, batch.num_prefill_tokens, len(batch.decodes)
 
@@ -335,21 +371,35 @@ class LLMEngine:
 
 
 # ---- tensor parallelism: one process per rank, rank 0 (this process) drives ---------------------
+#
+# Lifecycle: close(), garbage collection and interpreter exit (weakref.finalize) send every worker
+# "exit" and kill any that has not gone within _JOIN_TIMEOUT_S. A failed step on any rank (a worker
+# that raised or was killed, an exception or KeyboardInterrupt on rank 0) kills the workers at once:
+# some rank is then mid-step and the ranks cannot agree on what runs next. A worker that loses
+# rank 0 (its pipe closes, or a collective finds the peer gone) exits by itself. Every wait of rank 0
+# on a worker checks the worker is alive; a worker's death reaches a blocked gloo collective as a
+# "connection closed" error at once.
 
-_TP_TIMEOUT = timedelta(minutes=10)  # a rank that died shows up as a collective timing out
+_TP_TIMEOUT = timedelta(minutes=10)  # a rank that hangs (alive) shows up as a collective timing out
+_JOIN_TIMEOUT_S = 10.0  # close(): how long a worker gets to leave cleanly before it is killed
+_FAIL_GRACE_S = 5.0  # a failed step: how long a crashing worker gets to exit, so we can name it
+_POLL_S = 0.1
 
 
 def _init_tp_group(config: Config, rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    # init_method rather than MASTER_ADDR / MASTER_PORT: the user's environment is left as it was
     backend = "nccl" if config.device == "cuda" else "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=_TP_TIMEOUT)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=_TP_TIMEOUT)
 
 
 def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn) -> None:
-    """Ranks 1..world-1: build the same runner, then run every step rank 0 sends."""
+    """Ranks 1..world-1: build the same runner, then run every step rank 0 sends. Exits with code 1
+    after reporting an exception to rank 0 (which raises it)."""
+    # Ctrl-C reaches the whole process group; rank 0 alone decides, and stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         config = Config(model, **kwargs)
         if config.device == "cpu":
@@ -357,10 +407,6 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
         _init_tp_group(config, rank, world, port)
         runner = ModelRunner(config, rank=rank)
         conn.send(("ready", runner.num_blocks))
-    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    try:
         while True:
             msg, arg = conn.recv()
             if msg == "exit":
@@ -368,36 +414,115 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
             runner.forward_plan(arg)
     except EOFError:  # rank 0 went away
         pass
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass  # rank 0 is gone too
+        sys.exit(1)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _start_workers(model: str, kwargs: dict, config: Config, world: int) -> list:
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # The workers are spawned with this process's environment as it is, NCCL_* variables included:
+    # nothing in qwen3_model sets or changes an NCCL variable (NCCL features are the user's choice).
     ctx = mp.get_context("spawn")
     workers = []
-    for rank in range(1, world):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_tp_worker, args=(model, kwargs, rank, world, port, child),
-                           daemon=True)
-        proc.start()
-        workers.append((proc, parent))
-    _init_tp_group(config, 0, world, port)
+    try:
+        for rank in range(1, world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_tp_worker, args=(model, kwargs, rank, world, port, child),
+                               daemon=True)
+            proc.start()
+            child.close()  # the worker holds the only other end: its exit makes recv() fail
+            workers.append((proc, parent))
+        _run_while_alive(workers, lambda: _init_tp_group(config, 0, world, port))
+    except BaseException:
+        _stop_workers(workers, dist.is_initialized(), graceful=False)
+        raise
     return workers
 
 
-def _stop_workers(workers: list, owns_group: bool) -> None:
-    for proc, conn in workers:
+def _describe_exit(rank: int, proc, conn) -> str:
+    code = proc.exitcode
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        how += f" (signal {signal.Signals(-code).name})"
+    msg = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with {how}"
+    try:
+        if conn.poll():
+            kind, text = conn.recv()
+            if kind == "error":
+                msg += f": {text}"
+    except (OSError, EOFError):
+        pass
+    return msg
+
+
+def _dead_worker(workers: list) -> str | None:
+    """A description of the first worker that has exited, or None while all are alive."""
+    for rank, (proc, conn) in enumerate(workers, start=1):
+        if proc.exitcode is not None:
+            return _describe_exit(rank, proc, conn)
+    return None
+
+
+def _recv_while_alive(workers: list, rank: int):
+    """The next message from worker ``rank``; a RuntimeError if any worker dies meanwhile."""
+    conn = workers[rank - 1][1]
+    while not conn.poll(_POLL_S):
+        if (dead := _dead_worker(workers)) is not None:
+            raise RuntimeError(f"LLM: {dead}")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"LLM: {_describe_exit(rank, *workers[rank - 1])}") from None
+
+
+def _run_while_alive(workers: list, fn) -> None:
+    """fn() in a helper thread while polling the workers: a rendezvous with a worker that died
+    first would otherwise wait for the whole _TP_TIMEOUT."""
+    box: list = []
+
+    def target():
         try:
-            conn.send(("exit", None))
-        except (OSError, EOFError, BrokenPipeError):
-            pass
-    for proc, _ in workers:
-        proc.join(timeout=30)
+            fn()
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(_POLL_S)
+        if thread.is_alive() and (dead := _dead_worker(workers)) is not None:
+            raise RuntimeError(f"LLM: {dead} while the tensor-parallel group was forming")
+    if box[0] is not None:
+        raise box[0]
+
+
+def _stop_workers(workers: list, owns_group: bool, graceful: bool = True) -> None:
+    """Stop every worker (bounded: a worker that does not leave in time is killed), then this
+    process's side of the group. ``graceful=False``: kill at once (they may be mid-collective)."""
+    if graceful:
+        for proc, conn in workers:
+            try:
+                conn.send(("exit", None))
+            except OSError:  # BrokenPipeError: it is already gone
+                pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for proc, _ in workers:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc, conn in workers:
         if proc.is_alive():
             proc.kill()
+        proc.join(timeout=_JOIN_TIMEOUT_S)  # SIGKILL cannot be ignored: this returns promptly
+        conn.close()
     workers.clear()
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()

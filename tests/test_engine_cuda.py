@@ -86,7 +86,7 @@ def test_padded_graph_rows_do_not_disturb_real_rows(ckpt):
     assert torch.isfinite(h_graph).all()
     assert rel_err(h_graph.float(), h_eager.float()) < 2e-2
     # only the 5 new tokens' slots changed (per layer, K and V)
-    changed = (kv_graph != kv_before).flatten(3).any(-1)  # [2, L, blocks, block_size]
+    changed = (kv_graph != kv_before).flatten(4).any(-1)  # [2, L, blocks, block_size]
     slots = ctx.slot_mapping.long()
     expect = torch.zeros_like(changed)
     expect[:, :, slots // 16, slots % 16] = True

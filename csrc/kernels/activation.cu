@@ -34,8 +34,8 @@ __global__ void silu_and_mul_vec_kernel(T* __restrict__ out,        // [T, I], r
   for (int j = 0; j < kVecs; ++j) {
     const int v = base + j * blockDim.x;
     if (v < nvec) {
-      gate[j] = load_vec8_stream(row + v * 8);
-      up[j] = load_vec8_stream(row + intermediate + v * 8);
+      gate[j] = load_vec8(row + v * 8);
+      up[j] = load_vec8(row + intermediate + v * 8);
     }
   }
 #pragma unroll

@@ -45,15 +45,6 @@ __device__ __forceinline__ Vec8<T> load_vec8(const T* p) {
   return r;
 }
 
-// Streaming load (evict-first): for data read exactly once, so it does not push reused lines
-// (weights, the next kernel's inputs) out of L2.
-template <typename T>
-__device__ __forceinline__ Vec8<T> load_vec8_stream(const T* p) {
-  Vec8<T> r;
-  *reinterpret_cast<uint4*>(&r) = __ldcs(reinterpret_cast<const uint4*>(p));
-  return r;
-}
-
 template <typename T>
 __device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);

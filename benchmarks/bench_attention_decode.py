@@ -43,7 +43,8 @@ def _make_set(b, ctx, hq, hkv, bs, gen):
 
     def paged(x):  # [B, Hkv, L, D] -> [B * nb, bs, Hkv, D] blocks, stored at shuffled indices
         blocks = x.transpose(1, 2).reshape(b * nb, bs, hkv, D)
-        cache = torch.empty_like(blocks)
+        # a contiguous cache whatever layout reshape returned (at B=1 it is a strided view)
+        cache = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
         cache[perm] = blocks
         return cache
 

@@ -14,3 +14,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp64 (b the reference)."""
     a64, b64 = a.double(), b.double()
     return ((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's
+    barriers make each op thousands of times slower; restored after the module.
+    Use: `from tests.helpers import one_thread  # noqa: F401` (autouse, module scope)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

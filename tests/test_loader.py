@@ -10,16 +10,7 @@ from safetensors.torch import load_file, save_file
 from qwen3_model.loader import CheckpointError, load_hf_config, load_model
 from qwen3_model.models.qwen3 import Qwen3ForCausalLM
 from tests.qwen3_tiny import make_tiny_qwen3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's
-    barriers make each op thousands of times slower; restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from qwen3_model.models.qwen3 import Qwen3ForCausalLM
 from tests.helpers import rel_err
 from tests.paged_runner import PagedRunner
 from tests.qwen3_tiny import TINY_CONFIGS, make_tiny_qwen3, tiny_config
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 WORLD = 2
 CASES = {
@@ -34,16 +35,6 @@ NOT_DIVISIBLE = {
     "vocab": (dict(vocab_size=255), "vocab_size (255) is not divisible"),
     "mlp": (dict(intermediate_size=97), "intermediate_size (97) is not divisible"),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's
-    barriers make each op thousands of times slower; restored after this module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run_steps(model, vocab, **runner_kw):

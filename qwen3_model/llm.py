@@ -18,4 +18,7 @@ class LLM(LLMEngine):
 
     With ``tensor_parallel_size=N > 1`` the engine spawns N - 1 worker processes (one per GPU,
     NCCL; gloo on CPU) and this process is rank 0; ``llm.close()`` (or garbage collection, or
-    interpreter exit) stops them."""
+    interpreter exit) stops them. A worker that dies or raises makes the running generate raise a
+    RuntimeError naming its rank and exit code; any failed step (KeyboardInterrupt included) stops
+    every worker, and the engine then refuses further work. The workers inherit this process's
+    environment unchanged (NCCL_* included)."""

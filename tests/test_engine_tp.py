@@ -40,9 +40,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make_llm(path):
+def make_llm(path, device="cpu"):
     return LLM(path, tensor_parallel_size=2, kvcache_block_size=16, max_num_seqs=4,
-               max_num_batched_tokens=24)
+               max_num_batched_tokens=24, device=device)
 
 
 def worker_pids(llm):
@@ -74,7 +74,7 @@ def test_tp2_greedy_matches_transformers(ckpt):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=16, max_num_seqs=4,
-              max_num_batched_tokens=24)
+              max_num_batched_tokens=24, device="cpu")
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
@@ -96,7 +96,7 @@ def test_tp2_greedy_matches_transformers(ckpt):
 def test_tp_that_does_not_divide_the_heads_fails_clearly(ckpt):
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
         LLM(ckpt[0], tensor_parallel_size=3, kvcache_block_size=16, max_num_seqs=4,
-            max_num_batched_tokens=24)
+            max_num_batched_tokens=24, device="cpu")
     assert not torch.distributed.is_initialized()
 
 
@@ -173,3 +173,39 @@ def test_keyboard_interrupt_on_rank0_stops_the_workers(ckpt, one_thread):
         llm.generate(PROMPTS, LONG, use_tqdm=False)
     assert_no_process_left(pids)
     llm.close()
+
+
+# The same kill on two GPUs (NCCL), in a child process: a hang there must fail this test after
+# its timeout, not take the pytest process down with it.
+_KILL_SCRIPT = """
+import os, signal, sys
+from qwen3_model import LLM, SamplingParams
+from tests.test_engine_tp import PROMPTS, LONG, make_llm
+if __name__ == "__main__":
+    llm = make_llm(sys.argv[1], "cuda")
+    pids = [proc.pid for proc, _ in llm._workers]
+    print("PIDS", *pids, flush=True)
+    try:
+        for i, _ in enumerate(llm.stream(PROMPTS, LONG)):
+            if i == 2:
+                os.kill(pids[0], signal.SIGKILL)
+    except RuntimeError as e:
+        print("RAISED", e, flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(ckpt):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, ckpt[0]], cwd=root, timeout=180,
+                         capture_output=True, text=True)
+    print(out.stdout, out.stderr[-3000:])
+    pids = [int(p) for p in out.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
+    assert "RAISED LLM: tensor-parallel worker rank 1" in out.stdout
+    assert out.returncode == 0 and time.monotonic() - t0 < 120
+    time.sleep(1)
+    assert not [p for p in pids if pid_alive(p)]

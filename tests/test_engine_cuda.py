@@ -36,8 +36,9 @@ def prompts_of(lengths, seed=0):
     return [torch.randint(0, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
 
 
-def release(llm):
-    del llm
+def free_cuda():
+    """Return the memory of engines the caller has just deleted (`del llm` first: a function
+    cannot drop its caller's reference), so the next engine sizes its KV cache from a clean GPU."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -56,12 +57,14 @@ def test_cuda_graph_decode_equals_eager_decode(ckpt):
     assert runner.num_blocks > 100 and 8 in runner.graphs
     graph_out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert runner.num_graph_steps >= 30, "decode steps did not replay graphs"
-    release(llm)
+    del llm, runner
+    free_cuda()
 
     eager = LLM(ckpt, enforce_eager=True, num_kvcache_blocks=512, **kw)
     eager_out = [o.token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
     assert eager.model_runner.num_graph_steps == 0
-    release(eager)
+    del eager
+    free_cuda()
     for i, (g, e) in enumerate(zip(graph_out, eager_out)):
         assert g == e, f"prompt {i}: graph {g} != eager {e}"
 
@@ -92,7 +95,8 @@ def test_padded_graph_rows_do_not_disturb_real_rows(ckpt):
     expect[:, :, slots // 16, slots % 16] = True
     assert not (changed & ~expect).any()
     sched.abort_all()
-    release(llm)
+    del llm, runner, sched
+    free_cuda()
 
 
 def test_full_feature_mix_runs_to_completion(ckpt):
@@ -111,7 +115,8 @@ def test_full_feature_mix_runs_to_completion(ckpt):
     assert sched.num_partial_prefills > 0
     assert sched.num_preemptions > 0
     assert llm.model_runner.num_graph_steps > 0
-    release(llm)
+    del llm, sched
+    free_cuda()
 
 
 requires_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -150,7 +155,8 @@ def test_tp2_bf16_with_cuda_graphs(ckpt):
               max_model_len=1024, gpu_memory_utilization=0.3)
     one = LLM(ckpt, **kw)
     ref = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
-    release(one)
+    del one
+    free_cuda()
     two = LLM(ckpt, tensor_parallel_size=2, **kw)
     try:
         outs = [o.token_ids for o in two.generate(prompts, sp, use_tqdm=False)]

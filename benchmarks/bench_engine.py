@@ -6,6 +6,7 @@
     python bench_engine.py --size 8B --num-seqs 64           # a smaller run of the same workload
     python bench_engine.py --size 8B --batch1                # 128-token prompt, 512 new tokens
     python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
+    python bench_engine.py --size 0.6B --profile --num-seqs 256   # one decode step, kernel by kernel
 
 The workload (TARGETS.md, as nano-vllm's bench.py): 256 requests, seed 0, prompt lengths uniform
 in [100, 1024] of random token ids in [0, 10000], max_tokens uniform in [100, 1024], ignore_eos,
@@ -116,6 +117,62 @@ def run_ours_batch1(llm: LLM, prompt, new_tokens: int) -> tuple[float, float]:
     return decode, n / (end - start)
 
 
+def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int = 14) -> dict:
+    """Profile decode steps of ``num_seqs`` running sequences at ~``context`` tokens: host wall
+    time per step, GPU kernel time per step (kernel by kernel), the gap between them, and the
+    step's roofline (weights + KV cache read once at the H200's read ceiling)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = llm.config.hf_config.vocab_size
+    rng = random.Random(1)
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 64)
+    for i in range(num_seqs):
+        llm.add_request([rng.randrange(min(vocab, 10000)) for _ in range(context)], sp, i)
+    while llm.scheduler.waiting or any(s.num_completion_tokens == 0 for s in llm.scheduler.running):
+        llm.step()  # prefill everything
+    for _ in range(4):
+        _, n_pre, _ = llm.step()  # warm decode steps (and any prefill tail)
+    runner = llm.model_runner
+    graph_steps = runner.num_graph_steps
+    walls = []
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            _, n_pre, n_dec = llm.step()
+            walls.append(time.perf_counter() - t0)
+            assert n_pre == 0 and n_dec == num_seqs, "the profiled steps must be pure decode"
+    replayed = runner.num_graph_steps - graph_steps
+    llm.scheduler.abort_all()
+    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                  key=lambda e: -e.self_device_time_total)
+    gpu_us = sum(e.self_device_time_total for e in rows) / steps
+    if gpu_us == 0:
+        print("no CUDA kernel time recorded (no GPU, or the profiler saw no kernels)")
+        return dict(mode="profile", num_seqs=num_seqs, context=context)
+    wall_us = 1e6 * sum(walls) / steps
+    model = runner.model
+    cfg = llm.config.hf_config
+    kv_heads = max(1, cfg.num_key_value_heads // llm.config.tensor_parallel_size)
+    kv_bytes = num_seqs * (context + steps) * cfg.num_hidden_layers * 2 * kv_heads * cfg.head_dim * 2
+    w_bytes = weight_bytes_per_token(model)
+    ideal_us = (w_bytes + kv_bytes) / (H200_READ_TBS * 1e6)
+    print(f"\ndecode step profile: {num_seqs} sequences at ~{context} tokens, {steps} steps "
+          f"({replayed} from CUDA graphs)")
+    print(f"  host wall {wall_us:,.0f} us/step; GPU kernels {gpu_us:,.0f} us/step "
+          f"({gpu_us / wall_us:.0%} busy, gap {wall_us - gpu_us:,.0f} us)")
+    print(f"  roofline: weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at "
+          f"{H200_READ_TBS} TB/s = {ideal_us:,.0f} us/step; kernels at {ideal_us / gpu_us:.0%} "
+          f"of it, the step at {ideal_us / wall_us:.0%}")
+    print(f"  | kernel | calls/step | us/step | share |\n  |---|---|---|---|")
+    for e in rows[:top]:
+        name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
+        us = e.self_device_time_total / steps
+        print(f"  | `{name}` | {e.count / steps:.0f} | {us:,.1f} | {us / gpu_us:.1%} |")
+    return dict(mode="profile", num_seqs=num_seqs, context=context, wall_us=wall_us,
+                gpu_us=gpu_us, ideal_us=ideal_us, graph_steps=replayed)
+
+
 # ---- transformers -----------------------------------------------------------------------------
 
 def hf_model(path: str, dtype, attn: str | None):
@@ -200,6 +257,9 @@ def main(argv=None):
                         "achieved weight bandwidth")
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="hf: transformers on the same requests in the same run")
+    p.add_argument("--profile", action="store_true",
+                   help="profile decode steps of --num-seqs sequences at --profile-context tokens")
+    p.add_argument("--profile-context", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
@@ -226,7 +286,11 @@ def main(argv=None):
                   else "cpu", "enforce_eager": args.enforce_eager,
                   "tensor_parallel_size": args.tensor_parallel_size}
 
-        if args.batch1:
+        if args.profile:
+            llm = make_llm(path, args, dummy)
+            result.update(run_profile(llm, args.num_seqs, args.profile_context))
+            llm.close()
+        elif args.batch1:
             llm = make_llm(path, args, dummy)
             vocab = llm.config.hf_config.vocab_size
             prompt = random.Random(0).choices(range(min(10000, vocab)), k=128)

@@ -31,6 +31,17 @@ def ckpt(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def stable_ckpt(tmp_path_factory):
+    """SHAPE with the stable init of tests/qwen3_tiny.py: bf16 rounding (a different all-reduce
+    order, say) rarely flips a greedy choice, so greedy tokens can be compared across setups."""
+    from tests.qwen3_tiny import make_tiny_qwen3
+
+    path = tmp_path_factory.mktemp("bf16_hd128_stable")
+    make_tiny_qwen3(path, SHAPE, dtype=torch.bfloat16, gain=0.5, embed_std=1.0)
+    return str(path)
+
+
 def prompts_of(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
@@ -146,22 +157,27 @@ def test_tp2_fp32_matches_transformers(tmp_path):
 
 
 @requires_2_gpus
-def test_tp2_bf16_with_cuda_graphs(ckpt):
-    """TP=2 with graph-replayed decode (all-reduce inside the graphs) runs and agrees with TP=1
-    on the first tokens (later ones may drift: the all-reduce sums in another order in bf16)."""
+def test_tp2_bf16_with_cuda_graphs(stable_ckpt):
+    """TP=2 with graph-replayed decode (all-reduce inside the graphs) gives TP=1's greedy tokens.
+    The two sum the row-parallel layers in another order in bf16, so a near-tie may still flip a
+    late token: every prompt's first token and most prompts' 24 tokens must be equal."""
     prompts = prompts_of([5, 17, 64, 100, 3, 33, 48, 9], seed=4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(kvcache_block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
               max_model_len=1024, gpu_memory_utilization=0.3)
-    one = LLM(ckpt, **kw)
+    one = LLM(stable_ckpt, **kw)
     ref = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
     del one
     free_cuda()
-    two = LLM(ckpt, tensor_parallel_size=2, **kw)
+    two = LLM(stable_ckpt, tensor_parallel_size=2, **kw)
     try:
         outs = [o.token_ids for o in two.generate(prompts, sp, use_tqdm=False)]
         assert two.model_runner.num_graph_steps > 0
     finally:
         two.close()
     assert all(len(o) == 24 for o in outs)
-    assert sum(o[0] == r[0] for o, r in zip(outs, ref)) >= 7
+    prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), 24) for o, r in zip(outs, ref)]
+    equal = sum(p == 24 for p in prefix)
+    print(f"\nTP=2 vs TP=1 greedy (bf16, kernels, graphs): all 24 tokens equal on {equal}/8 prompts; "
+          f"equal prefix per prompt {prefix}")
+    assert all(p >= 1 for p in prefix) and equal >= 6, prefix

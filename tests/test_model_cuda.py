@@ -29,10 +29,9 @@ DEVICE = "cuda"
 
 
 def _hf(cfg, dtype):
-    model = tiny_hf_model(cfg, seed=0)
-    with torch.no_grad():  # spread the logits so greedy is not decided by near-ties everywhere
-        model.lm_head.weight.mul_(8)
-    return model.to(DEVICE, dtype).eval()
+    # the stable init (tests/qwen3_tiny.py): bf16 rounding rarely flips a greedy choice there, so
+    # comparing 32 greedy tokens across bf16 implementations measures the implementation
+    return tiny_hf_model(cfg, seed=0, gain=0.5, embed_std=1.0).to(DEVICE, dtype).eval()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +118,7 @@ def test_greedy_32_tokens_vs_transformers(models):
     ps = prompts(PROMPT_LENS, seed=3)
     runner = PagedRunner(ours, num_blocks=256, block_size=16, poison=False, pad_block=0, seed=4)
     got = runner.greedy(ps, NEW_TOKENS)
-    agree_ok = 0
+    agree_ok = full = full_hf = 0
     for p, g in zip(ps, got):
         ids = torch.tensor([p], device=DEVICE)
         mask = torch.ones_like(ids)
@@ -137,7 +136,12 @@ def test_greedy_32_tokens_vs_transformers(models):
         pred = ours.compute_logits(hidden[len(p) - 1 : len(seq) - 1]).argmax(-1).tolist()
         agree = sum(a == b for a, b in zip(pred, want16))
         agree_ok += agree > NEW_TOKENS // 2
+        full += g == want16 or g == want32
+        full_hf += want16 == want32
         print(f"\nprompt {len(p):4d}: greedy prefix match with transformers bf16 {prefix}/{NEW_TOKENS} "
               f"(same position: {sum(a == b for a, b in zip(g, want16))}); teacher-forced agreement "
               f"{agree}/{NEW_TOKENS}; transformers bf16 vs fp32 prefix {prefix_hf}/{NEW_TOKENS}")
     assert agree_ok >= 0.75 * len(ps), f"teacher-forced majority agreement on only {agree_ok}/{len(ps)} prompts"
+    print(f"\nall {NEW_TOKENS} greedy tokens equal to transformers (bf16 or fp32) on {full}/{len(ps)} "
+          f"prompts; transformers bf16 == transformers fp32 on {full_hf}/{len(ps)}")
+    assert full > len(ps) // 2, f"the 32 greedy tokens match transformers on only {full}/{len(ps)} prompts"

@@ -209,3 +209,43 @@ def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(ckpt):
     assert out.returncode == 0 and time.monotonic() - t0 < 120
     time.sleep(1)
     assert not [p for p in pids if pid_alive(p)]
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys
+from tests.test_engine_tp import PROMPTS, LONG, make_llm
+if __name__ == "__main__":
+    llm = make_llm(sys.argv[1], "cpu")
+    print("PIDS", *[proc.pid for proc, _ in llm._workers], flush=True)
+    for i, _ in enumerate(llm.stream(PROMPTS, LONG)):
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # rank 0 dies mid-generation, no cleanup at all
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whatever reaps it in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_killed_rank0_leaves_no_worker_behind(ckpt):
+    """SIGKILL on rank 0 mid-generation: no worker outlives it. On CPU the closed pipe or gloo's
+    "connection closed" ends the worker; a worker stuck in an NCCL collective is ended by the
+    orphan watch (_exit_when_orphaned)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT, ckpt[0]], cwd=root, timeout=120,
+                         capture_output=True, text=True)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    pids = [int(p) for p in out.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if running(p)], "a worker outlived its killed rank 0"

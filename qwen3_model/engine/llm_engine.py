@@ -400,6 +400,7 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
     after reporting an exception to rank 0 (which raises it)."""
     # Ctrl-C reaches the whole process group; rank 0 alone decides, and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_when_orphaned()
     try:
         config = Config(model, **kwargs)
         if config.device == "cpu":
@@ -423,6 +424,20 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_when_orphaned(poll_s: float = 0.5) -> None:
+    """A worker whose rank 0 was killed (SIGKILL: no exit message, no closed pipe while the worker
+    sits in an NCCL collective that will never complete) must not live on holding its GPU: a daemon
+    thread sees the parent change (re-parented) and ends the process at once."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="qwen3-tp-orphan-watch").start()
 
 
 def _start_workers(model: str, kwargs: dict, config: Config, world: int) -> list:

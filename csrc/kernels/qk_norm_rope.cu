@@ -7,19 +7,47 @@
 // head_dim is fixed at 128 (every Qwen3 model). The launcher returns cudaErrorInvalidValue for any
 // other head_dim; the Python wrapper (qwen3_kernels/ops.py) runs the reference for those instead.
 //
-// Work split: an "item" is one (token, head) of the packed qkv row, heads ordered q, k, v.
-// Eight lanes own one item; lane j holds elements [8j, 8j+8) of the first half and
-// [64+8j, 64+8j+8) of the second half: two 16-byte loads, and each lane holds both elements of
-// every neox pair (i, i+64) it rotates, so RoPE needs no shuffles. The RMS over the 128 elements is
-// a 3-step xor-shuffle within the 8-lane group. v heads are copied through untouched.
-// Each thread handles ITEMS items (2 for large batches, 1 for small ones), all qkv loads issued
-// before any math, so enough bytes are in flight per SM to saturate HBM (the kernel is purely
-// bandwidth bound: a few FLOP per byte).
+// Lane layout shared by every variant: eight lanes own one head; lane j holds elements
+// [8j, 8j+8) of the first half and [64+8j, 64+8j+8) of the second half (two 16-byte accesses), so
+// each lane holds both elements of every neox pair (i, i+64) it rotates and RoPE needs no
+// shuffles. The RMS over the 128 elements is a 3-step xor-shuffle within the 8-lane group. Lane j
+// needs the same 8 cos/sin values and weight elements for every head of a token, which the
+// token-major variants exploit.
+//
+// Variants (QWEN3_QK_NORM_ROPE_VARIANT, read at every launch so a benchmark can sweep them in one
+// process; unset or "auto" = pipe for >= 2^16 (token, head) items, item below):
+//   item    An "item" is one (token, head); consecutive 8-lane groups take consecutive items, ITEMS
+//           per thread (2 for large batches, 1 for small ones, which also hoists the cos/sin and
+//           weight loads). Measured on H200 at T=16384, Hq/Hkv 32/8: 113 us, 3.63 TB/s, 84% of
+//           the read ceiling. Why not more: ~61 registers -> 64 B of qkv in flight per thread, and
+//           each item fetches its cos/sin row (and weights) only after its qkv arrived, from L1
+//           for most heads but from L2/HBM for the first head of a token in a CTA: a second,
+//           dependent memory latency during which the CTA has no qkv bytes in flight. Each q/k
+//           item also re-reads 512 B of cos/sin and 256 B of weight through L1 for 256 B of data.
+//   token   One CTA per token; group g takes heads g, g+G, g+2G, ... (at most 4): 128 B of qkv
+//           in flight per thread at 64 registers. The cos/sin row and both weights are staged in
+//           shared memory once per token instead of once per head; all qkv loads are issued
+//           before the thread waits on the position -> cos/sin chain.
+//   token8  The same with at most 8 heads per thread (~120 registers).
+//   pipe    token's split, but a CTA walks a run of tokens (persistent: one wave of resident CTAs)
+//           and fetches the NEXT token's cos/sin row (cp.async) while its qkv loads fly, so a
+//           token waits on one memory latency, not two. pipe4: runs of 4 tokens, many waves.
+//   bulk    (sm_90; others fall back to pipe) Persistent CTAs with a ring of 4 shared-memory
+//           stages of one token each: thread 0 moves whole rows with the bulk-copy engine
+//           (cp.async.bulk, TMA without a tensor map) 3 tokens ahead of the one being rotated,
+//           the threads normalise and rotate q and k in place, and q, K, V leave as three bulk
+//           stores (V never enters a register). Bytes in flight are bounded by shared memory,
+//           not registers. bulk2 / bulk8: 2 / 8 stages.
+// Every variant does the same fp32 math per element and rounds once (norm_rope / the item loop).
 //
 // Not checked on the device (the launcher has no bounds to check against, and a check would need a
 // host sync): positions must be < max_position, and slots < num_blocks * block_size.
 // The launcher refuses (cudaErrorMisalignedAddress) pointers off a 16-byte boundary, and
 // num_tokens * (Hq + 2*Hkv) >= 2^31 (cudaErrorInvalidValue).
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
 #include "qwen3_kernels/common.cuh"
 
 namespace qwen3_kernels {
@@ -30,6 +58,7 @@ constexpr int kHalf = kHeadDim / 2;         // neox pairs (i, i + 64)
 constexpr int kVec = 8;                      // 16-bit elements per 16-byte access
 constexpr int kLanesPerItem = kHalf / kVec;  // 8 lanes cover one head
 constexpr int kThreads = 256;
+constexpr int kCosSinChunks = kHeadDim * 4 / 16;  // 16-byte chunks of one fp32 cos/sin row
 
 __device__ __forceinline__ float4 load_f4(const float* p) {
   return *reinterpret_cast<const float4*>(p);
@@ -182,23 +211,655 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
   }
 }
 
+// Per-lane norm + rotation of one q or k head: (x * inv_rms) * w, then the neox pair rotation, in
+// fp32, the same association as the item kernel and the reference.
+template <typename T>
+__device__ __forceinline__ void norm_rope(const Vec8<T>& lo, const Vec8<T>& hi, float inv_rms,
+                                          const Vec8<T>& w1, const Vec8<T>& w2,
+                                          const float (&c)[kVec], const float (&s)[kVec],
+                                          Vec8<T>& o1, Vec8<T>& o2) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float a = to_float(lo.v[i]) * inv_rms * to_float(w1.v[i]);
+    const float b = to_float(hi.v[i]) * inv_rms * to_float(w2.v[i]);
+    o1.v[i] = from_float<T>(a * c[i] - b * s[i]);
+    o2.v[i] = from_float<T>(b * c[i] + a * s[i]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float sum_squares(const Vec8<T>& lo, const Vec8<T>& hi) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float a = to_float(lo.v[i]), b = to_float(hi.v[i]);
+    ss += a * a + b * b;
+  }
+  return ss;
+}
+
+// p ? a : b without taking either's address (a conditional on the structs themselves makes an
+// lvalue, which puts both in local memory).
+template <typename T>
+__device__ __forceinline__ Vec8<T> select_vec8(bool p, const Vec8<T>& a, const Vec8<T>& b) {
+  const uint4 x = *reinterpret_cast<const uint4*>(&a), y = *reinterpret_cast<const uint4*>(&b);
+  Vec8<T> r;
+  *reinterpret_cast<uint4*>(&r) =
+      make_uint4(p ? x.x : y.x, p ? x.y : y.y, p ? x.z : y.z, p ? x.w : y.w);
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ Vec8<T> zero_vec8() {
+  Vec8<T> r;
+  *reinterpret_cast<uint4*>(&r) = make_uint4(0, 0, 0, 0);
+  return r;
+}
+
+// ---- token: one CTA per token ----------------------------------------------------------------
+
+constexpr int kTokenMaxThreads = 256;
+
+// HPT <= 4 is held to 64 registers (bf16 needs 64 anyway; fp16 would take 78 and lose a sixth of
+// the CTAs per SM for a few bytes of spill).
+template <typename T, int HPT>
+__global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_rope_token_kernel(
+    T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
+    const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
+                                               //   qkv_stride (elements)
+    const T* __restrict__ q_norm_weight,       // [128]
+    const T* __restrict__ k_norm_weight,       // [128]
+    const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
+    const int64_t* __restrict__ positions,     // [num_tokens]
+    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
+    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
+    const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
+    int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
+  // The token's cos/sin row and both weights, staged once per CTA: in registers they would cost
+  // 32 per thread (spills or half the occupancy at HPT = 4); a shared-memory read per head is
+  // ~30 cycles, off the memory critical path.
+  __shared__ __align__(16) float cs_s[kHeadDim];      // cos | sin
+  __shared__ __align__(16) T w_s[2][kHeadDim];        // q_norm, k_norm
+  const int num_heads = num_q_heads + 2 * num_kv_heads;
+  const int num_qk = num_q_heads + num_kv_heads;
+  const int lane = threadIdx.x % kLanesPerItem;
+  const int group = threadIdx.x / kLanesPerItem;
+  const int num_groups = blockDim.x / kLanesPerItem;  // the launcher makes it >= heads / HPT
+  const int64_t token = blockIdx.x;
+
+  // Issue order: the position first (the cos/sin fetch waits on it), then every qkv load, then
+  // the cos/sin and weight loads, so the position's latency hides under the qkv loads and the
+  // thread waits on one memory latency in all.
+  const int64_t pos = positions[token];
+  const int32_t slot = slot_mapping[token];
+  const T* row = qkv + token * qkv_stride + lane * kVec;
+  Vec8<T> lo[HPT], hi[HPT];
+#pragma unroll
+  for (int r = 0; r < HPT; ++r) {
+    const int h = group + r * num_groups;
+    if (h < num_heads) {
+      lo[r] = load_vec8(row + h * kHeadDim);
+      hi[r] = load_vec8(row + h * kHeadDim + kHalf);
+    } else {  // zeros keep the shuffles well-defined; nothing is stored for them
+      lo[r] = zero_vec8<T>();
+      hi[r] = zero_vec8<T>();
+    }
+  }
+  // 64 16-byte chunks: 32 of cos/sin, 16 of each weight.
+  for (int i = threadIdx.x; i < 64; i += blockDim.x) {
+    uint4 v;
+    if (i < 32)
+      v = *reinterpret_cast<const uint4*>(cos_sin_cache + pos * kHeadDim + i * 4);
+    else
+      v = *reinterpret_cast<const uint4*>((i < 48 ? q_norm_weight : k_norm_weight) +
+                                          (i % 16) * kVec);
+    if (i < 32)
+      *reinterpret_cast<uint4*>(cs_s + i * 4) = v;
+    else
+      *reinterpret_cast<uint4*>(&w_s[i >= 48][(i % 16) * kVec]) = v;
+  }
+  __syncthreads();
+  // This lane's 16-byte column of the token's q row and of its K / V cache rows (32-bit head
+  // offsets from here on).
+  const int64_t kv_offset = static_cast<int64_t>(slot < 0 ? 0 : slot) * num_kv_heads * kHeadDim;
+  T* q_row = q_out + token * num_q_heads * kHeadDim + lane * kVec;
+  T* k_row = k_cache + kv_offset + lane * kVec;
+  T* v_row = v_cache + kv_offset + lane * kVec;
+
+#pragma unroll
+  for (int r = 0; r < HPT; ++r) {
+    const int h = group + r * num_groups;
+    // Every lane shuffles (the mask is the whole warp), including lanes past the last head.
+    const float ss = group_sum(sum_squares(lo[r], hi[r]));
+    if (h >= num_heads) continue;
+    if (h < num_qk) {
+      const bool is_q = h < num_q_heads;
+      if (!is_q && slot < 0) continue;  // padded token: q is still produced, the cache left alone
+      const float inv_rms = rsqrtf(ss * (1.f / kHeadDim) + eps);
+      float c[kVec], s[kVec];
+      load_f8(cs_s + lane * kVec, c);
+      load_f8(cs_s + kHalf + lane * kVec, s);
+      const T* w = w_s[is_q ? 0 : 1];
+      Vec8<T> o1, o2;
+      norm_rope(lo[r], hi[r], inv_rms, load_vec8(w + lane * kVec),
+                load_vec8(w + kHalf + lane * kVec), c, s, o1, o2);
+      T* dst = is_q ? q_row + h * kHeadDim : k_row + (h - num_q_heads) * kHeadDim;
+      store_vec8(dst, o1);
+      store_vec8(dst + kHalf, o2);
+    } else {
+      if (slot < 0) continue;
+      T* dst = v_row + (h - num_qk) * kHeadDim;
+      store_vec8(dst, lo[r]);
+      store_vec8(dst + kHalf, hi[r]);
+    }
+  }
+}
+
+// ---- pipe: a CTA walks a run of tokens, cos/sin one token ahead -------------------------------
+
+// cp.async (sm_80+): 16 bytes global -> shared without a register; completion per commit group.
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The run of tokens of CTA b among G: [b*T/G, (b+1)*T/G), sizes differing by at most one.
+__device__ __forceinline__ void token_run(int64_t num_tokens, int64_t* begin, int64_t* end) {
+  *begin = static_cast<int64_t>(blockIdx.x) * num_tokens / gridDim.x;
+  *end = (static_cast<int64_t>(blockIdx.x) + 1) * num_tokens / gridDim.x;
+}
+
+// The token kernel's work split, but each CTA takes a run of tokens (the whole batch spread over
+// the resident CTAs, or a few tokens each). Per token: the qkv loads, then the cos/sin row of the
+// NEXT token goes to shared memory by cp.async (its position was loaded a token earlier), so a
+// token waits on one memory latency (its qkv) instead of two (position, then cos/sin).
+// cos/sin rows rotate through three buffers: with one barrier per token, a slow thread may still
+// read row j-1 while row j+1 is being written, never row j+1's buffer.
+template <typename T, int HPT>
+__global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_pipe_kernel(
+    T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
+    const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
+                                               //   qkv_stride (elements)
+    const T* __restrict__ q_norm_weight,       // [128]
+    const T* __restrict__ k_norm_weight,       // [128]
+    const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
+    const int64_t* __restrict__ positions,     // [num_tokens]
+    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
+    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
+    const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
+    int64_t num_tokens, int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
+  __shared__ __align__(16) float cs_s[3][kHeadDim];  // cos | sin rows of tokens j-1, j, j+1
+  __shared__ __align__(16) T w_s[2][kHeadDim];       // q_norm, k_norm
+  const int num_heads = num_q_heads + 2 * num_kv_heads;
+  const int num_qk = num_q_heads + num_kv_heads;
+  const int lane = threadIdx.x % kLanesPerItem;
+  const int group = threadIdx.x / kLanesPerItem;
+  const int num_groups = blockDim.x / kLanesPerItem;
+  const bool copies_cs = threadIdx.x < kCosSinChunks;  // one 16-byte chunk of a row each
+  int64_t begin, end;
+  token_run(num_tokens, &begin, &end);
+  if (begin >= end) return;  // whole CTA: no barrier is left waiting
+
+  // Prologue: the first two positions (the first is used after the first token's qkv loads are
+  // in flight) and both weights.
+  const int64_t pos_first = positions[begin];
+  int64_t pos_next = begin + 1 < end ? positions[begin + 1] : 0;
+  constexpr int kWeightChunks = 2 * kHeadDim / kVec;
+  for (int i = threadIdx.x; i < kWeightChunks; i += blockDim.x)
+    cp_async16(&w_s[i / 16][(i % 16) * kVec],
+               (i < 16 ? q_norm_weight : k_norm_weight) + (i % 16) * kVec);
+  cp_async_commit();
+
+  int buf = 0;  // cs_s buffer of token j
+  for (int64_t j = begin; j < end; ++j) {
+    const T* row = qkv + j * qkv_stride + lane * kVec;
+    Vec8<T> lo[HPT], hi[HPT];
+#pragma unroll
+    for (int r = 0; r < HPT; ++r) {
+      const int h = group + r * num_groups;
+      if (h < num_heads) {
+        lo[r] = load_vec8(row + h * kHeadDim);
+        hi[r] = load_vec8(row + h * kHeadDim + kHalf);
+      } else {
+        lo[r] = zero_vec8<T>();
+        hi[r] = zero_vec8<T>();
+      }
+    }
+    const int32_t slot = slot_mapping[j];
+    if (j == begin) {  // the only cos/sin row fetched a memory round trip late
+      if (copies_cs)
+        cp_async16(&cs_s[0][threadIdx.x * 4],
+                   cos_sin_cache + pos_first * kHeadDim + threadIdx.x * 4);
+      cp_async_commit();
+    }
+    const int next_buf = buf == 2 ? 0 : buf + 1;
+    if (copies_cs && j + 1 < end)
+      cp_async16(&cs_s[next_buf][threadIdx.x * 4],
+                 cos_sin_cache + pos_next * kHeadDim + threadIdx.x * 4);
+    cp_async_commit();  // possibly empty: the group count stays one per token
+    pos_next = j + 2 < end ? positions[j + 2] : 0;
+    cp_async_wait<1>();  // every group but the newest (row j+1): row j and the weights landed
+    __syncthreads();
+
+    const int64_t kv_offset = static_cast<int64_t>(slot < 0 ? 0 : slot) * num_kv_heads * kHeadDim;
+    T* q_row = q_out + j * num_q_heads * kHeadDim + lane * kVec;
+    T* k_row = k_cache + kv_offset + lane * kVec;
+    T* v_row = v_cache + kv_offset + lane * kVec;
+    const float* cs = cs_s[buf];
+#pragma unroll
+    for (int r = 0; r < HPT; ++r) {
+      const int h = group + r * num_groups;
+      const float ss = group_sum(sum_squares(lo[r], hi[r]));
+      if (h >= num_heads) continue;
+      if (h < num_qk) {
+        const bool is_q = h < num_q_heads;
+        if (!is_q && slot < 0) continue;
+        const float inv_rms = rsqrtf(ss * (1.f / kHeadDim) + eps);
+        float c[kVec], s[kVec];
+        load_f8(cs + lane * kVec, c);
+        load_f8(cs + kHalf + lane * kVec, s);
+        const T* w = w_s[is_q ? 0 : 1];
+        Vec8<T> o1, o2;
+        norm_rope(lo[r], hi[r], inv_rms, load_vec8(w + lane * kVec),
+                  load_vec8(w + kHalf + lane * kVec), c, s, o1, o2);
+        T* dst = is_q ? q_row + h * kHeadDim : k_row + (h - num_q_heads) * kHeadDim;
+        store_vec8(dst, o1);
+        store_vec8(dst + kHalf, o2);
+      } else {
+        if (slot < 0) continue;
+        T* dst = v_row + (h - num_qk) * kHeadDim;
+        store_vec8(dst, lo[r]);
+        store_vec8(dst + kHalf, hi[r]);
+      }
+    }
+    buf = next_buf;
+  }
+}
+
+// ---- bulk: sm_90 bulk copies through a ring of shared-memory stages ----------------------------
+
+constexpr int kBulkThreads = 128;  // 16 groups rotate a token's q and k heads
+
+// One stage = one token: its cos/sin row (fp32) then its qkv row; both sizes are multiples of 16
+// bytes, as every bulk copy's address and size must be.
+__host__ __device__ inline int64_t bulk_stage_bytes(int num_heads, int elem_bytes) {
+  return kCosSinChunks * 16 + int64_t{num_heads} * kHeadDim * elem_bytes;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define QWEN3_QKNR_HAS_BULK 1
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Blocks until the barrier's phase of this parity has completed. A phase that never completes
+// can only be a bug (a copy that was never issued, a wrong byte count): after ~10 s the kernel
+// traps, an error the host sees, instead of hanging the process.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  uint64_t start = 0;
+  for (uint32_t k = 1; !done; ++k) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (!done && k % 4096 == 0) {
+      const uint64_t now = global_timer_ns();
+      if (start == 0) start = now;
+      else if (now - start > 10000000000ull) __trap();
+    }
+  }
+}
+// global -> shared, completion counted in bytes on bar.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(smem_dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+// shared -> global, tracked by the issuing thread's bulk groups.
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_u32(smem_src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Wait until at most N of this thread's bulk-store groups still read shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+#endif
+
+// A CTA takes a run of tokens (token_run); thread 0 keeps STAGES - 1 tokens loading ahead of the
+// one being rotated. Per token i, stage i % STAGES, barrier full[stage]:
+//   thread 0: bulk-load the qkv row and the cos/sin row (its position fetched one load earlier)
+//   all:      wait full, rotate q and k heads in place, fence (generic -> async proxy), barrier
+//   thread 0: bulk-store q (one Hq*256-byte row), K and V (Hkv*256 bytes each, at the slot);
+//             then refill the stage of token i-1, whose stores have read it by then.
+// V never leaves shared memory for a register; no qkv byte occupies a register while in flight.
+template <typename T, int STAGES>
+__global__ void __launch_bounds__(kBulkThreads) qk_norm_rope_bulk_kernel(
+    T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
+    const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
+                                               //   qkv_stride (elements)
+    const T* __restrict__ q_norm_weight,       // [128]
+    const T* __restrict__ k_norm_weight,       // [128]
+    const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
+    const int64_t* __restrict__ positions,     // [num_tokens]
+    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
+    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
+    const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
+    int64_t num_tokens, int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
+#ifdef QWEN3_QKNR_HAS_BULK
+  extern __shared__ __align__(128) unsigned char smem[];  // [STAGES][cos/sin row | qkv row]
+  __shared__ uint64_t full[STAGES];
+  __shared__ int32_t slot_s[STAGES];  // written and read by thread 0 only
+  const int num_heads = num_q_heads + 2 * num_kv_heads;
+  const int num_qk = num_q_heads + num_kv_heads;
+  const uint32_t row_bytes = static_cast<uint32_t>(num_heads) * kHeadDim * sizeof(T);
+  const uint32_t stage_bytes = row_bytes + kCosSinChunks * 16;
+  int64_t begin, end;
+  token_run(num_tokens, &begin, &end);
+  const int n = static_cast<int>(end - begin);
+  if (n <= 0) return;
+  auto stage_cs = [&](int s) { return reinterpret_cast<float*>(smem + s * stage_bytes); };
+  auto stage_row = [&](int s) {
+    return reinterpret_cast<T*>(smem + s * stage_bytes + kCosSinChunks * 16);
+  };
+
+  // Thread 0's producer state: the next token to load and its position / slot, fetched one load
+  // ahead so issuing a load never waits on a memory round trip.
+  int loaded = 0;
+  int64_t pos_ahead = 0;
+  int32_t slot_ahead = -1;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);
+    // Make the initialised barriers visible to the bulk-copy (async) proxy.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // Prologue: every qkv row first (no dependency), then the positions -> cos/sin rows. The
+    // positions and slots are loaded together into registers before the first dependent copy.
+    const int first = n < STAGES ? n : STAGES;
+    int64_t pos[STAGES];
+    int32_t slot[STAGES];
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      pos[s] = s < first ? positions[begin + s] : 0;
+      slot[s] = s < first ? slot_mapping[begin + s] : -1;
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      if (s < first) {
+        mbar_arrive_expect_tx(&full[s], stage_bytes);
+        bulk_load(stage_row(s), qkv + (begin + s) * qkv_stride, row_bytes, &full[s]);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      if (s < first) {
+        bulk_load(stage_cs(s), cos_sin_cache + pos[s] * kHeadDim, kCosSinChunks * 16, &full[s]);
+        slot_s[s] = slot[s];
+      }
+    }
+    loaded = first;
+    if (loaded < n) {
+      pos_ahead = positions[begin + loaded];
+      slot_ahead = slot_mapping[begin + loaded];
+    }
+  }
+  const int lane = threadIdx.x % kLanesPerItem;
+  const int group = threadIdx.x / kLanesPerItem;
+  constexpr int kGroups = kBulkThreads / kLanesPerItem;
+  const Vec8<T> wq1 = load_vec8(q_norm_weight + lane * kVec);
+  const Vec8<T> wq2 = load_vec8(q_norm_weight + kHalf + lane * kVec);
+  const Vec8<T> wk1 = load_vec8(k_norm_weight + lane * kVec);
+  const Vec8<T> wk2 = load_vec8(k_norm_weight + kHalf + lane * kVec);
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+  const int iters = (num_qk + kGroups - 1) / kGroups;  // uniform: every lane joins every shuffle
+
+  for (int i = 0; i < n; ++i) {
+    const int st = i % STAGES;
+    mbar_wait(&full[st], (i / STAGES) & 1);
+    T* row = stage_row(st);
+    const float* cs = stage_cs(st);
+    for (int it = 0; it < iters; ++it) {
+      const int h = group + it * kGroups;
+      const bool valid = h < num_qk;
+      T* p = row + (valid ? h : 0) * kHeadDim + lane * kVec;
+      const Vec8<T> lo = valid ? load_vec8(p) : zero_vec8<T>();
+      const Vec8<T> hi = valid ? load_vec8(p + kHalf) : zero_vec8<T>();
+      const float ss = group_sum(sum_squares(lo, hi));
+      if (!valid) continue;
+      const bool is_q = h < num_q_heads;
+      float c[kVec], s[kVec];
+      load_f8(cs + lane * kVec, c);
+      load_f8(cs + kHalf + lane * kVec, s);
+      Vec8<T> o1, o2;
+      norm_rope(lo, hi, rsqrtf(ss * (1.f / kHeadDim) + eps), select_vec8(is_q, wq1, wk1),
+                select_vec8(is_q, wq2, wk2), c, s, o1, o2);
+      store_vec8(p, o1);
+      store_vec8(p + kHalf, o2);
+    }
+    // Generic-proxy writes to shared memory become visible to the bulk stores: fence, barrier.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const uint32_t q_bytes = static_cast<uint32_t>(num_q_heads) * kHeadDim * sizeof(T);
+      const uint32_t kv_bytes = static_cast<uint32_t>(num_kv_heads) * kHeadDim * sizeof(T);
+      const int32_t slot = slot_s[st];
+      bulk_store(q_out + (begin + i) * num_q_heads * kHeadDim, row, q_bytes);
+      if (slot >= 0) {
+        const int64_t off = static_cast<int64_t>(slot) * num_kv_heads * kHeadDim;
+        bulk_store(k_cache + off, row + num_q_heads * kHeadDim, kv_bytes);
+        bulk_store(v_cache + off, row + num_qk * kHeadDim, kv_bytes);
+      }
+      bulk_commit();
+      // Refill the stage of token i-1 (loaded == i - 1 + STAGES here): its stores, one group
+      // back, must have finished reading it; the group just committed may still be reading.
+      if (i >= 1 && loaded < n) {
+        bulk_wait_read<1>();
+        const int sp = (i - 1) % STAGES;
+        mbar_arrive_expect_tx(&full[sp], stage_bytes);
+        bulk_load(stage_row(sp), qkv + (begin + loaded) * qkv_stride, row_bytes, &full[sp]);
+        bulk_load(stage_cs(sp), cos_sin_cache + pos_ahead * kHeadDim, kCosSinChunks * 16,
+                  &full[sp]);
+        slot_s[sp] = slot_ahead;
+        ++loaded;
+        if (loaded < n) {
+          pos_ahead = positions[begin + loaded];
+          slot_ahead = slot_mapping[begin + loaded];
+        }
+      }
+    }
+  }
+  // Shared memory must outlive the stores' reads of it; the global writes then complete on
+  // their own and are visible to the next kernel.
+  if (threadIdx.x == 0) bulk_wait_read<0>();
+#else
+  __trap();  // the launcher never picks this variant below sm_90
+#endif
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// ---- launch -----------------------------------------------------------------------------------
+
+struct Args {
+  void* q_out;
+  const void* qkv;
+  const void* q_norm_weight;
+  const void* k_norm_weight;
+  const float* cos_sin_cache;
+  const int64_t* positions;
+  void* k_cache;
+  void* v_cache;
+  const int32_t* slot_mapping;
+  int64_t num_tokens, qkv_stride;
+  int num_q_heads, num_kv_heads;
+  float eps;
+  cudaStream_t stream;
+  int num_heads() const { return num_q_heads + 2 * num_kv_heads; }
+};
+
 template <typename T, int ITEMS, bool HOIST>
-cudaError_t launch(void* q_out, const void* qkv, const void* q_norm_weight,
-                   const void* k_norm_weight, const float* cos_sin_cache,
-                   const int64_t* positions, void* k_cache,
-                   void* v_cache, const int32_t* slot_mapping, int64_t num_items,
-                   int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps,
-                   cudaStream_t stream) {
+cudaError_t launch_item(const Args& a) {
+  const int64_t num_items = a.num_tokens * a.num_heads();
+  if (num_items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // ~26M tokens at 80 heads
   constexpr int64_t items_per_block = kThreads / kLanesPerItem * ITEMS;
   const int64_t blocks = (num_items + items_per_block - 1) / items_per_block;
-  qk_norm_rope_kernel<T, ITEMS, HOIST><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<T*>(q_out), static_cast<const T*>(qkv), static_cast<const T*>(q_norm_weight),
-      static_cast<const T*>(k_norm_weight), cos_sin_cache, positions, static_cast<T*>(k_cache),
-      static_cast<T*>(v_cache), slot_mapping, static_cast<uint32_t>(num_items), qkv_stride,
-      num_q_heads, num_kv_heads, eps);
+  qk_norm_rope_kernel<T, ITEMS, HOIST><<<static_cast<unsigned>(blocks), kThreads, 0, a.stream>>>(
+      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
+      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
+      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
+      a.slot_mapping, static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
+      a.num_kv_heads, a.eps);
   return cudaGetLastError();
+}
+
+// Groups of 8 lanes a token-major CTA needs for at most hpt heads each, in whole warps.
+int token_groups(int num_heads, int hpt) {
+  const int groups = (num_heads + hpt - 1) / hpt;
+  return (groups + 3) / 4 * 4;
+}
+
+template <typename T, int HPT>
+cudaError_t launch_token(const Args& a) {
+  const int threads = token_groups(a.num_heads(), HPT) * kLanesPerItem;
+  if (a.num_tokens > 0x7fffffff || threads > kTokenMaxThreads) return cudaErrorInvalidValue;
+  qk_norm_rope_token_kernel<T, HPT><<<static_cast<unsigned>(a.num_tokens), threads, 0, a.stream>>>(
+      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
+      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
+      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
+      a.slot_mapping, a.qkv_stride, a.num_q_heads, a.num_kv_heads, a.eps);
+  return cudaGetLastError();
+}
+
+// CTAs for a run-of-tokens kernel: tokens_per_cta > 0 gives ceil(T / tokens_per_cta) CTAs (the
+// hardware scheduler balances the tail); 0 gives as many as are resident at once (persistent: one
+// wave, runs differing by at most one token).
+template <typename Kernel>
+cudaError_t run_grid(Kernel kernel, int threads, int64_t smem, int64_t num_tokens,
+                     int tokens_per_cta, int64_t* grid) {
+  if (tokens_per_cta > 0) {
+    *grid = (num_tokens + tokens_per_cta - 1) / tokens_per_cta;
+  } else {
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                          static_cast<size_t>(smem));
+    if (err != cudaSuccess) return err;
+    const int64_t resident = int64_t{sms} * (per_sm > 0 ? per_sm : 1);
+    *grid = num_tokens < resident ? num_tokens : resident;
+  }
+  return *grid > 0x7fffffff ? cudaErrorInvalidValue : cudaSuccess;
+}
+
+template <typename T, int HPT>
+cudaError_t launch_pipe(const Args& a, int tokens_per_cta) {
+  const int threads = token_groups(a.num_heads(), HPT) * kLanesPerItem;
+  if (threads > kTokenMaxThreads) return cudaErrorInvalidValue;
+  auto kernel = qk_norm_rope_pipe_kernel<T, HPT>;
+  int64_t grid = 0;
+  cudaError_t err = run_grid(kernel, threads, 0, a.num_tokens, tokens_per_cta, &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(grid), threads, 0, a.stream>>>(
+      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
+      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
+      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
+      a.slot_mapping, a.num_tokens, a.qkv_stride, a.num_q_heads, a.num_kv_heads, a.eps);
+  return cudaGetLastError();
+}
+
+template <typename T, int STAGES>
+cudaError_t launch_bulk(const Args& a) {
+  const int64_t smem = STAGES * bulk_stage_bytes(a.num_heads(), sizeof(T));
+  auto kernel = qk_norm_rope_bulk_kernel<T, STAGES>;
+  if (smem > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  int64_t grid = 0;
+  cudaError_t err = run_grid(kernel, kBulkThreads, smem, a.num_tokens, 0, &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(grid), kBulkThreads, static_cast<size_t>(smem), a.stream>>>(
+      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
+      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
+      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
+      a.slot_mapping, a.num_tokens, a.qkv_stride, a.num_q_heads, a.num_kv_heads, a.eps);
+  return cudaGetLastError();
+}
+
+enum class Variant { kAuto, kItem, kToken, kToken8, kPipe, kPipe4, kBulk, kBulk2, kBulk8 };
+
+constexpr struct {
+  const char* name;
+  Variant v;
+} kVariantNames[] = {{"item", Variant::kItem},   {"token", Variant::kToken},
+                     {"token8", Variant::kToken8}, {"pipe", Variant::kPipe},
+                     {"pipe4", Variant::kPipe4}, {"bulk", Variant::kBulk},
+                     {"bulk2", Variant::kBulk2}, {"bulk8", Variant::kBulk8}};
+
+// QWEN3_QK_NORM_ROPE_VARIANT, read at every launch (a getenv: far below a launch's cost) so a
+// benchmark can time each variant in one process. A malformed value is reported once and ignored.
+Variant variant_from_env() {
+  const char* e = std::getenv("QWEN3_QK_NORM_ROPE_VARIANT");
+  if (e == nullptr || e[0] == '\0' || std::strcmp(e, "auto") == 0) return Variant::kAuto;
+  for (const auto& n : kVariantNames)
+    if (std::strcmp(e, n.name) == 0) return n.v;
+  static bool warned = false;
+  if (!warned) {
+    warned = true;
+    std::fprintf(stderr,
+                 "qwen3_kernels: QWEN3_QK_NORM_ROPE_VARIANT=%s is not one of auto, item, token, "
+                 "token8, pipe, pipe4, bulk, bulk2, bulk8; using auto\n", e);
+  }
+  return Variant::kAuto;
+}
+
+// Bulk copies need sm_90; cached per device (a launch should not query the driver each time).
+bool device_has_bulk_copy() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  static int major[64] = {};  // 0 = not asked yet
+  if (major[dev] == 0) {
+    int m = 0;
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    major[dev] = m;
+  }
+  return major[dev] >= 9;
 }
 
 }  // namespace
@@ -220,18 +881,47 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   for (const void* p : vector_accessed)
     if (!aligned16(p)) return cudaErrorMisalignedAddress;
   if (num_tokens == 0) return cudaSuccess;
+  const int num_heads = num_q_heads + 2 * num_kv_heads;
+  if (num_tokens * num_heads >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
 
-  const int64_t num_items = num_tokens * (num_q_heads + 2 * num_kv_heads);
-  if (num_items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // ~26M tokens at 80 heads
-  // Large batches: two items per thread doubles the bytes in flight (bandwidth is all that
-  // counts). Small batches: one item per thread spreads the few items over more SMs, and hoisting
-  // the weight / cos-sin loads takes one memory latency off the critical path (latency is what
-  // counts there). Two hoisted items would need ~110 registers, halving the threads per SM.
-  const bool many = num_items >= (int64_t{1} << 16);
+  const Args a{q_out,      qkv,         q_norm_weight, k_norm_weight, cos_sin_cache,
+               positions,  k_cache,     v_cache,       slot_mapping,  num_tokens,
+               qkv_stride, num_q_heads, num_kv_heads,  eps,           stream};
+  // Large batches are bandwidth bound, small ones latency bound (see the item kernel's ITEMS).
+  const bool many = num_tokens * num_heads >= (int64_t{1} << 16);
+
+  Variant v = variant_from_env();
+  if (v == Variant::kAuto) v = many ? Variant::kPipe : Variant::kItem;
+  // Fall back where a variant does not apply: bulk needs sm_90 and its stages in shared memory
+  // (227 KB); the token-major kernels need their groups in one CTA of <= 256 threads.
+  if (v == Variant::kBulk || v == Variant::kBulk2 || v == Variant::kBulk8) {
+    const int stages = v == Variant::kBulk ? 4 : v == Variant::kBulk2 ? 2 : 8;
+    if (!device_has_bulk_copy() ||
+        stages * bulk_stage_bytes(num_heads, 2) > 227 * 1024)
+      v = Variant::kPipe;
+  }
+  const bool fits4 = token_groups(num_heads, 4) * kLanesPerItem <= kTokenMaxThreads;
+  const bool fits8 = token_groups(num_heads, 8) * kLanesPerItem <= kTokenMaxThreads;
+  if ((v == Variant::kToken || v == Variant::kPipe || v == Variant::kPipe4) && !fits4)
+    v = fits8 ? Variant::kToken8 : Variant::kItem;
+  if (v == Variant::kToken8 && !fits8) v = Variant::kItem;
+
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    auto run = many ? launch<T, 2, false> : launch<T, 1, true>;
-    return run(q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
-               slot_mapping, num_items, qkv_stride, num_q_heads, num_kv_heads, eps, stream);
+    switch (v) {
+      case Variant::kToken: return launch_token<T, 4>(a);
+      case Variant::kToken8: return launch_token<T, 8>(a);
+      case Variant::kPipe: return launch_pipe<T, 4>(a, 0);
+      case Variant::kPipe4: return launch_pipe<T, 4>(a, 4);
+      case Variant::kBulk: return launch_bulk<T, 4>(a);
+      case Variant::kBulk2: return launch_bulk<T, 2>(a);
+      case Variant::kBulk8: return launch_bulk<T, 8>(a);
+      default:
+        // Large batches: two items per thread doubles the bytes in flight. Small batches: one
+        // item per thread spreads the few items over more SMs, and hoisting the weight / cos-sin
+        // loads takes one memory latency off the critical path (latency is what counts there).
+        // Two hoisted items would need ~110 registers, halving the threads per SM.
+        return many ? launch_item<T, 2, false>(a) : launch_item<T, 1, true>(a);
+    }
   });
 }
 

@@ -10,7 +10,8 @@ block point at a NaN block, so a kernel that reads a key it must not see fails l
 NaN-poisoned before the call, so every element must be written.
 
 On Hopper the op runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 selects the
-portable mma.sync kernel (prefill.cu). The `kernel_path` fixture runs each test on both.
+portable mma.sync kernel (prefill.cu), QWEN3_PREFILL_VARIANT=ws|ws3|ws_nopp the warp-specialised
+one (prefill_sm90_ws.cu). The `kernel_path` fixture runs each test on every path.
 """
 from __future__ import annotations
 
@@ -168,13 +169,23 @@ def check_against_reference(case, ours):
             f"sequence {b} (Lq={lq}, Lk={lk}): error {ours_err:.3e} > 2 x torch's {torch_err:.3e}")
 
 
-@pytest.fixture(params=["auto", "mma_sync"])
+# auto: whatever the device picks (wgmma on sm_90); mma_sync: the portable kernel; ws, ws3,
+# ws_nopp: the warp-specialised wgmma kernel (prefill_sm90_ws.cu: 2-stage ring with ping-pong,
+# 3 stages, no ping-pong), chosen by QWEN3_PREFILL_VARIANT, which the launcher reads per call.
+# Off Hopper the ws variants run the default kernel.
+KERNEL_PATHS = ["auto", "mma_sync", "ws", "ws3", "ws_nopp"]
+
+
+@pytest.fixture(params=KERNEL_PATHS)
 def kernel_path(request, monkeypatch):
-    """auto: whatever the device picks (wgmma on sm_90); mma_sync: the portable kernel."""
     if request.param == "mma_sync":
         monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
     else:
         monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
+    if request.param.startswith("ws"):
+        monkeypatch.setenv("QWEN3_PREFILL_VARIANT", request.param)
+    else:
+        monkeypatch.delenv("QWEN3_PREFILL_VARIANT", raising=False)
     return request.param
 
 

@@ -29,6 +29,7 @@
 // normalised in fp32 and written with 16-byte stores through shared memory.
 #include <cfloat>
 #include <cstdlib>
+#include <cstring>
 
 #include "prefill_common.cuh"
 
@@ -355,10 +356,26 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.scale_log2 = scale * 1.4426950408889634f;
   // Hopper runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 forces this file's
   // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
+  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp picks the warp-specialised wgmma kernel
+  // (prefill_sm90_ws.cu) until measurements make it the default; anything else: the default.
+  // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
   if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
-      prefill::sm90_available())
+      prefill::sm90_available()) {
+    const char* variant = std::getenv("QWEN3_PREFILL_VARIANT");
+    if (variant != nullptr) {
+      if (std::strcmp(variant, "ws") == 0)
+        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+                                       prefill::WsVariant::kStages2, stream);
+      if (std::strcmp(variant, "ws3") == 0)
+        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+                                       prefill::WsVariant::kStages3, stream);
+      if (std::strcmp(variant, "ws_nopp") == 0)
+        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+                                       prefill::WsVariant::kNoPingpong, stream);
+    }
     return prefill::launch_sm90(p, batch, max_seqlen_q, dtype, stream);
+  }
   return QWEN3_DISPATCH_HALF(dtype, T,
                              [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });
 }

@@ -1,0 +1,423 @@
+// paged_attention_prefill on Hopper, warp-specialised (FlashAttention-3 structure). Same math,
+// work split, tile layouts and wgmma descriptors as prefill_sm90.cu (read its header first);
+// what changes is who does what and how they synchronise. Selected by QWEN3_PREFILL_VARIANT
+// (prefill.cu): "ws" = 2-stage K/V ring with ping-pong, "ws3" = 3 stages, "ws_nopp" = 2 stages
+// without ping-pong. sm_90a only.
+//
+// CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128.
+//   WG 0, producer (setmaxnreg down to 40): copies Q once, then K(0), V(0), K(1), V(1), ... into a
+//     ring of kStages K and kStages V slots with 16-byte cp.async (each key row's address goes
+//     through the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async also
+//     zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
+//     signals "slot full" with cp.async.mbarrier.arrive.noinc: the barrier (count 128) completes
+//     when every producer thread's copies have landed. Before refilling a slot it waits on the
+//     slot's "empty" barrier (count 8: one arrival per consumer warp).
+//   WG 1, 2, consumers (setmaxnreg up to 232): 64 rows each, the loop of prefill_sm90.cu without
+//     any load or CTA barrier: iteration n issues S(n) = Q K(n)^T and P(n-1) V(n-1), waits for
+//     S(n) only and runs the softmax of tile n while P V runs (intra-warpgroup overlap).
+//   Ping-pong: the two consumers take turns issuing their GEMMs (named barriers 1 and 2), so one
+//     warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
+//
+// mbarrier phases: tile n lives in slot n % kStages in round r = n / kStages; consumers wait
+// "full" with parity r & 1, the producer waits "empty" with parity (r & 1) ^ 1, which a fresh
+// barrier satisfies at once for r = 0. cp.async writes through the generic proxy and wgmma reads
+// through the async proxy, so each consumer issues fence.proxy.async after its full-waits (the
+// writer-side fence of prefill_sm90.cu is impossible: the producer never sees its copies land).
+// The producer's empty-waits trap after ~2^26 polls (a lost arrival fails the launch, no hang). The ping-pong barriers need 256 arrivals (128 sync + 128 arrive): consumer c
+// syncs on barrier 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer 0
+// the first turn and skips its arrival after its last turn, so no arrival is left pending when
+// the CTA exits (both do the same number of turns: n_tiles is per CTA).
+#include "prefill_common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QWEN3_PREFILL_WS 1
+#endif
+
+namespace qwen3_kernels {
+namespace prefill {
+namespace {
+
+constexpr int kBlockM = 128;                        // 2 consumer warpgroups x 64 packed rows
+constexpr int kBlockN = 128;                        // keys per K/V tile
+constexpr int kThreads = 384;                       // producer + 2 consumer warpgroups
+constexpr int kQBytes = kBlockM * kHeadDim * 2;     // 32 KiB, reused to stage the output
+constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // 32 KiB per K or V slot
+// setmaxnreg budgets: the producer needs ~37 registers, a consumer ~190 (O, S and P of a 64 x 128
+// tile live at once: 64 + 64 + 32). 128 * 40 + 256 * 232 = 64512 = 384 threads x 168.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+
+template <int kStages>
+constexpr int smem_bytes() {
+  // 1 KiB alignment slack + Q + K and V rings + barriers (1 + 4 * kStages of 8 bytes).
+  return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 4 * kStages);
+}
+static_assert(smem_bytes<3>() <= 227 * 1024, "3 stages must fit the opt-in shared memory");
+
+#if defined(QWEN3_PREFILL_WS)
+
+// Byte offset of 16-byte chunk `chunk` (0..15) of row `row` in a [rows, 128] GMMA tile with the
+// 128-byte swizzle: two [rows, 64] halves, row r of a half at r * 128, chunk c at c ^ (r & 7).
+__device__ __forceinline__ uint32_t gmma_offset(int row, int chunk, int rows) {
+  return static_cast<uint32_t>((chunk >> 3) * rows * 128 + row * 128 +
+                               (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+#endif  // QWEN3_PREFILL_WS
+
+// grid (Hkv, ceil(max_seqlen_q * group / BLOCK_M), B), M tiles in reverse (longest rows first).
+template <typename T, int kStages, bool kPingpong>
+__global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillParams p) {
+#if defined(QWEN3_PREFILL_WS)
+  using namespace sm90;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  const uint32_t s_q = (raw_addr + 1023) & ~1023u;  // the 128-byte swizzle needs 1 KiB alignment
+  uint8_t* smem = smem_raw + (s_q - raw_addr);
+  const uint32_t s_k = s_q + kQBytes;                 // kStages slots
+  const uint32_t s_v = s_k + kStages * kTileBytes;    // kStages slots
+  const uint32_t s_bar = s_v + kStages * kTileBytes;  // 8-byte mbarriers:
+  const uint32_t bar_q = s_bar;                       //   Q landed
+  const uint32_t bar_k_full = s_bar + 8;              //   [kStages] K slot filled
+  const uint32_t bar_v_full = bar_k_full + 8 * kStages;
+  const uint32_t bar_k_empty = bar_v_full + 8 * kStages;  // [kStages] K slot read by all 8 warps
+  const uint32_t bar_v_empty = bar_k_empty + 8 * kStages;
+
+  const int kv_head = blockIdx.x;
+  const int m_block = gridDim.y - 1 - blockIdx.y;
+  const int seq = blockIdx.z;
+  const int q_start = p.cu_seqlens_q[seq];
+  const int lq = p.cu_seqlens_q[seq + 1] - q_start;
+  const int group = p.group;
+  const int rows = lq * group;
+  const int row0 = m_block * kBlockM;
+  if (row0 >= rows) return;  // the whole CTA, before any barrier
+
+  const int lk = min(p.seq_lens_k[seq], p.max_blocks << p.block_size_log2);
+  const int shift = lk - lq;  // absolute position of query token t is shift + t
+  const int t_first = row0 / group;
+  const int t_last = (min(row0 + kBlockM, rows) - 1) / group;
+  const int key_end = shift + t_last + 1;
+  const int n_tiles = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
+  const int n_full = max(0, (shift + t_first + 1) / kBlockN);  // tiles before it need no mask
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;
+
+  if (tid == 0) {
+    mbar_init(bar_q, 128);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_k_full + 8 * s, 128);  // one cp.async-tracked arrival per producer thread
+      mbar_init(bar_v_full + 8 * s, 128);
+      mbar_init(bar_k_empty + 8 * s, 8);   // one arrival per consumer warp
+      mbar_init(bar_v_empty + 8 * s, 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles never meet at one again
+
+  if (wg == 0) {
+    // ---------------------------------- producer ----------------------------------
+    regs_dealloc<kProducerRegs>();
+    const int ld_chunk = tid & 15;  // 16 threads copy one 256-byte row
+    const int ld_row = tid >> 4;    // rows ld_row + 8 i
+    const T* q = static_cast<const T*>(p.q);
+#pragma unroll 4
+    for (int i = 0; i < kBlockM / 8; ++i) {
+      const int r = ld_row + 8 * i;
+      const int pr = row0 + r;
+      const bool valid = pr < rows;
+      const int token = pr / group;
+      const int head = kv_head * group + (pr - token * group);
+      const T* src = valid ? q + ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim +
+                                 ld_chunk * 8
+                           : q;
+      cp_async_16(s_q + gmma_offset(r, ld_chunk, kBlockM), src, valid);
+    }
+    cp_async_mbar_arrive(bar_q);
+
+    const int64_t slot_stride = (int64_t)p.num_kv_heads * kHeadDim;
+    const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * kHeadDim + ld_chunk * 8;
+    const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * kHeadDim + ld_chunk * 8;
+    const int32_t* table = p.block_tables + (int64_t)seq * p.max_blocks;
+    const int block_mask = (1 << p.block_size_log2) - 1;
+    // This thread's rows of key tile `tile` -> dst; keys past the sequence are zero-filled
+    // (and their block-table entries never read).
+    auto load_tile = [&](uint32_t dst, const T* head_base, int tile) {
+#pragma unroll 4
+      for (int i = 0; i < kBlockN / 8; ++i) {
+        const int r = ld_row + 8 * i;
+        const int key = tile * kBlockN + r;
+        const bool valid = key < lk;
+        const T* src = head_base;
+        if (valid) {
+          const int64_t block = __ldg(table + (key >> p.block_size_log2));
+          src += ((block << p.block_size_log2) + (key & block_mask)) * slot_stride;
+        }
+        cp_async_16(dst + gmma_offset(r, ld_chunk, kBlockN), src, valid);
+      }
+    };
+
+    int stage = 0;
+    uint32_t round_parity = 0;  // (tile / kStages) & 1
+    for (int t = 0; t < n_tiles; ++t) {
+      mbar_wait<true>(bar_k_empty + 8 * stage, round_parity ^ 1);
+      load_tile(s_k + stage * kTileBytes, k_head, t);
+      cp_async_mbar_arrive(bar_k_full + 8 * stage);
+      mbar_wait<true>(bar_v_empty + 8 * stage, round_parity ^ 1);
+      load_tile(s_v + stage * kTileBytes, v_head, t);
+      cp_async_mbar_arrive(bar_v_full + 8 * stage);
+      if (++stage == kStages) {
+        stage = 0;
+        round_parity ^= 1;
+      }
+    }
+    // Outstanding copies finish before the thread exits (their barrier arrivals still count).
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // ---------------------------------- consumers ----------------------------------
+  regs_alloc<kConsumerRegs>();
+  const int c = wg - 1;             // consumer index: rows 64 c .. 64 c + 63 of the CTA
+  const int warp = (tid >> 5) & 3;  // warp within the warpgroup
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  int pos[2];  // absolute positions of this lane's two rows
+#pragma unroll
+  for (int h = 0; h < 2; ++h) pos[h] = shift + (row0 + c * 64 + warp * 16 + g + 8 * h) / group;
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  uint32_t p_frag[kBlockN / 16][4];  // P of the previous tile, the A operand of its P V
+
+  // S = Q K^T for this warpgroup's 64 rows x 128 keys (8 k-steps over D; Q and K K-major).
+  auto issue_s = [&](float (&s)[64], uint32_t k_slot) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t half_k = kk >> 2, col = (kk & 3) * 32;
+      const uint64_t da =
+          desc_sw128(s_q + half_k * (kBlockM * 128) + c * (64 * 128) + col, 16, 1024);
+      const uint64_t db = desc_sw128(k_slot + half_k * (kBlockN * 128) + col, 16, 1024);
+      wgmma_m64n128k16_ss<T>(s, da, db, kk > 0 ? 1 : 0);
+    }
+  };
+  // O += P V (8 k-steps over the keys; V read MN-major).
+  auto issue_pv = [&](uint32_t v_slot) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_m64n128k16_rs<T>(o, p_frag[kk],
+                             desc_sw128(v_slot + kk * (16 * 128), kBlockN * 128, 1024));
+  };
+  // Masks tile n of the scores if it reaches the diagonal, turns them into P (online softmax,
+  // base 2, scale folded in, -inf rows kept NaN-free; see prefill.cu) and returns in alpha the
+  // factor that rescales what was accumulated before.
+  auto softmax = [&](float (&s)[64], int n, float (&alpha)[2]) {
+    if (n >= n_full) {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n * kBlockN + j * 8 + 2 * t4 + (e & 1);
+          if (key > pos[e >> 1]) s[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
+      row_max[h] = mx;
+      row_sum[h] *= alpha[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        float& s0 = s[4 * j + 2 * h];
+        float& s1 = s[4 * j + 2 * h + 1];
+        s0 = fast_exp2(fmaf(s0, p.scale_log2, -m_scaled));
+        s1 = fast_exp2(fmaf(s1, p.scale_log2, -m_scaled));
+        row_sum[h] += s0 + s1;
+      }
+    }
+  };
+  // Two adjacent n8 accumulator tiles form the register A operand of one k16 step.
+  auto pack_p = [&](const float (&s)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      p_frag[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      p_frag[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      p_frag[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      p_frag[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  const uint32_t my_turn = 1 + c;  // named barrier ids of the ping-pong
+  const uint32_t other_turn = 2 - c;
+  if (kPingpong && c == 1 && n_tiles > 0) named_bar_arrive(1, 256);  // consumer 0 goes first
+
+  // Every thread waits for Q itself (also before the output reuses its space below).
+  mbar_wait(bar_q, 0);
+
+  // Tile 0: S(0) alone (o is still zero: nothing to rescale, no P V yet).
+  if (n_tiles > 0) {
+    if (kPingpong) named_bar_sync(my_turn, 256);
+    mbar_wait(bar_k_full, 0);
+    fence_proxy_async();
+    float s[64];
+    wgmma_fence();
+    issue_s(s, s_k);
+    wgmma_commit();
+    if (kPingpong && !(c == 1 && n_tiles == 1)) named_bar_arrive(other_turn, 256);
+    wgmma_wait<0>();
+    fence_regs(s);
+    if (lane == 0) mbar_arrive(bar_k_empty);  // this warp is done with K(0)
+    float alpha[2];
+    softmax(s, 0, alpha);
+    pack_p(s);
+  }
+
+  // Iteration n issues S(n) = Q K(n)^T and O += P(n-1) V(n-1), waits for S(n) only and runs the
+  // softmax of tile n while P V runs; O is rescaled by tile n's alpha once P(n-1) V(n-1) landed.
+  // Both waits come before wgmma.fence so nothing but wgmmas sits between it and the last issue.
+  int stage = 1 % kStages;  // slot of K(n)
+  uint32_t parity = kStages == 1 ? 1u : 0u;  // (n / kStages) & 1
+  int prev_stage = 0;  // slot of V(n - 1)
+  uint32_t prev_parity = 0;
+  for (int n = 1; n < n_tiles; ++n) {
+    if (kPingpong) named_bar_sync(my_turn, 256);
+    mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);  // issued before K(n): usually landed
+    mbar_wait(bar_k_full + 8 * stage, parity);
+    fence_proxy_async();
+    float s[64];
+    fence_regs(o);
+    fence_regs(p_frag);
+    wgmma_fence();  // o and p_frag were written by ordinary instructions
+    issue_s(s, s_k + stage * kTileBytes);
+    wgmma_commit();
+    issue_pv(s_v + prev_stage * kTileBytes);
+    wgmma_commit();
+    // The other consumer may issue now; consumer 1's last turn grants nothing (none follows).
+    if (kPingpong && !(c == 1 && n == n_tiles - 1)) named_bar_arrive(other_turn, 256);
+    wgmma_wait<1>();  // S(n) is done; P V may still run
+    fence_regs(s);
+    if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);
+    float alpha[2];
+    softmax(s, n, alpha);
+    wgmma_wait<0>();  // P(n-1) V(n-1) has landed: p_frag, o and V(n-1) are free
+    fence_regs(o);
+    fence_regs(p_frag);
+    if (lane == 0) mbar_arrive(bar_v_empty + 8 * prev_stage);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      o[4 * j + 0] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+    pack_p(s);
+
+    prev_stage = stage;
+    prev_parity = parity;
+    if (++stage == kStages) {
+      stage = 0;
+      parity ^= 1;
+    }
+  }
+
+  if (n_tiles > 0) {  // the last tile's P V (outside the ping-pong: nothing follows it)
+    mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);
+    fence_proxy_async();
+    fence_regs(o);
+    fence_regs(p_frag);
+    wgmma_fence();
+    issue_pv(s_v + prev_stage * kTileBytes);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+
+  // Stage the output in this warpgroup's own Q rows (same swizzled layout, so the writes are
+  // conflict-free): every warp of the warpgroup must be done with its wgmmas, which read those
+  // rows through the async proxy. The other consumer never touches them.
+  named_bar_sync(3 + c, 128);
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = c * 64 + warp * 16 + g + 8 * h;
+      *reinterpret_cast<uint32_t*>(smem + gmma_offset(r, j, kBlockM) + 4 * t4) =
+          pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+    }
+  }
+  __syncwarp();  // each warp reads back only the 16 rows it wrote
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 16 * 16 / 32; ++i) {
+    const int idx = i * 32 + lane;
+    const int r = c * 64 + warp * 16 + (idx >> 4);
+    const int chunk = idx & 15;
+    const int pr = row0 + r;
+    if (pr < rows) {
+      const int token = pr / group;
+      const int head = kv_head * group + (pr - token * group);
+      *reinterpret_cast<uint4*>(out + ((int64_t)(q_start + token) * p.num_q_heads + head) *
+                                          kHeadDim + chunk * 8) =
+          *reinterpret_cast<const uint4*>(smem + gmma_offset(r, chunk, kBlockM));
+    }
+  }
+#endif  // QWEN3_PREFILL_WS
+}
+
+template <typename T, int kStages, bool kPingpong>
+cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStream_t stream) {
+  const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
+  if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
+  constexpr int kSmem = smem_bytes<kStages>();
+  auto kernel = prefill_ws_kernel<T, kStages, kPingpong>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.num_kv_heads, (unsigned)m_blocks, batch);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
+                           WsVariant variant, cudaStream_t stream) {
+  if (!sm90_available()) return cudaErrorNotSupported;
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    switch (variant) {
+      case WsVariant::kStages3:
+        return launch<T, 3, true>(p, batch, max_seqlen_q, stream);
+      case WsVariant::kNoPingpong:
+        return launch<T, 2, false>(p, batch, max_seqlen_q, stream);
+      default:
+        return launch<T, 2, true>(p, batch, max_seqlen_q, stream);
+    }
+  });
+}
+
+}  // namespace prefill
+}  // namespace qwen3_kernels

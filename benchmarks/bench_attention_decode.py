@@ -1,6 +1,7 @@
 """paged_attention_decode vs torch SDPA decode (q length 1) on the same K/V laid out dense.
 
-    cd benchmarks && pytest -q -s bench_attention_decode.py
+    cd benchmarks && pytest -q -s bench_attention_decode.py       # ours (defaults) vs the baselines
+    cd benchmarks && BENCH_DECODE_SWEEP=1 pytest -q -s bench_attention_decode.py -k sweep
 
 bf16, head_dim 128, GQA 32/8 and 16/8, block sizes 16 and 256. Every sequence of a case has the
 same context length so the dense baselines do exactly the same work.
@@ -14,9 +15,18 @@ baselines are timed once per shape (they do not depend on our block size) and re
 Bytes that must move: K and V of every context read once, plus q and out. K/V sets rotate so the
 sets together exceed the 60 MB L2.
 Goals (TARGETS.md): >= 0.95x cuDNN at batch >= 16, context >= 2k; >= 1.0x cuDNN at batch 1, ctx 32k.
+
+The sweep (opt-in: BENCH_DECODE_SWEEP=1; block size BENCH_DECODE_SWEEP_BS, default 16) times every
+kernel variant x flag set (qwen3_kernels.decode_tuning; the switches are described at the top of
+csrc/kernels/attention/decode.cu) at the automatic split count and at each forced count, next to
+cuDNN, after checking each configuration's output. It prints one table per case (rows: variant and
+flags; columns: split counts; cells: us and cuDNN/ours; the auto cell also says which count the
+launcher chose) and the best configuration per case, and appends the tables to $BENCH_RESULTS.
+The evidence for choose_num_splits and the default variant / flags in decode.cu.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -24,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qwen3_kernels
+from qwen3_kernels import decode_tuning as dt
 from qwen3_kernels.ops import decode_workspace
 from common import sets_for, time_gpu
 
@@ -62,6 +73,31 @@ def _try_time(fns, calls):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
 
 
+def _make_sets(b, ctx, hq, hkv, bs):
+    kv_bytes = 2 * b * hkv * ctx * D * 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return [_make_set(b, ctx, hq, hkv, bs, gen) for _ in range(sets_for(kv_bytes))]
+
+
+def _guard(s0, scale, what="ours"):
+    """The kernel (as now tuned) agrees with fp32 SDPA on set 0."""
+    got = qwen3_kernels.paged_attention_decode(s0["q"], s0["k_cache"], s0["v_cache"],
+                                               s0["block_tables"], s0["seq_lens"], scale)
+    if "want" not in s0:
+        s0["want"] = F.scaled_dot_product_attention(
+            s0["q"].float()[:, :, None], s0["k"].float(), s0["v"].float(), scale=scale,
+            enable_gqa=True)[:, :, 0]
+    want = s0["want"]
+    err = (got.float() - want).norm().item() / want.norm().item()
+    assert err < 2e-2, f"{what}: relative error {err:.3g} against fp32 SDPA"
+
+
+def _time_ours(sets, scale, calls):
+    return time_gpu([lambda s=s: qwen3_kernels.paged_attention_decode(
+        s["q"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"], scale,
+        out=s["out"], workspace=s["ws"]) for s in sets], calls_per_replay=calls)
+
+
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
 @pytest.mark.parametrize("hq,hkv", HEADS)
 @pytest.mark.parametrize("b,ctx", CASES)
@@ -69,21 +105,10 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
     scale = 1 / math.sqrt(D)
     kv_bytes = 2 * b * hkv * ctx * D * 2
     nbytes = kv_bytes + 2 * b * hq * D * 2
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [_make_set(b, ctx, hq, hkv, bs, gen) for _ in range(sets_for(kv_bytes))]
+    sets = _make_sets(b, ctx, hq, hkv, bs)
     calls = max(len(sets), 8)
-
-    # correctness guard: the timed kernel agrees with fp32 SDPA on set 0
-    s0 = sets[0]
-    got = qwen3_kernels.paged_attention_decode(s0["q"], s0["k_cache"], s0["v_cache"],
-                                               s0["block_tables"], s0["seq_lens"], scale)
-    want = F.scaled_dot_product_attention(s0["q"].float()[:, :, None], s0["k"].float(),
-                                          s0["v"].float(), scale=scale, enable_gqa=True)[:, :, 0]
-    assert (got.float() - want).norm().item() < 2e-2 * want.norm().item()
-
-    ours = time_gpu([lambda s=s: qwen3_kernels.paged_attention_decode(
-        s["q"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"], scale,
-        out=s["out"], workspace=s["ws"]) for s in sets], calls_per_replay=calls)
+    _guard(sets[0], scale)
+    ours = _time_ours(sets, scale, calls)
 
     # The dense baselines do not depend on the block size: time them once per shape.
     key = (b, ctx, hq, hkv)
@@ -97,7 +122,7 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
 _BASELINES: dict = {}
 
 
-def _time_baselines(sets, hq, hkv, scale, calls):
+def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):
     baselines, notes = {}, []
 
     def cudnn(s):
@@ -110,6 +135,8 @@ def _time_baselines(sets, hq, hkv, scale, calls):
         notes.append(f"cudnn unavailable ({err})")
     else:
         baselines["cudnn"] = t
+    if only_cudnn:  # the sweep's yardstick
+        return baselines, notes
 
     rep = hq // hkv
     flash_kv = [(s["k"].repeat_interleave(rep, dim=1), s["v"].repeat_interleave(rep, dim=1))
@@ -139,3 +166,88 @@ def _time_baselines(sets, hq, hkv, scale, calls):
     else:
         baselines["flex"] = t
     return baselines, notes
+
+
+# ---- tuning sweep (BENCH_DECODE_SWEEP=1) --------------------------------------------------------
+
+SWEEP = os.environ.get("BENCH_DECODE_SWEEP") == "1"
+SWEEP_BS = int(os.environ.get("BENCH_DECODE_SWEEP_BS", "16"))
+SWEEP_SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64]
+NEW_FLAGS = dt.INTERLEAVE | dt.FAST_COMBINE
+
+
+def _sweep_rows():
+    """(variant, flags) rows: every variant with the old flags, the new ones, the new ones + PDL;
+    then each flag alone on the default variant."""
+    rows = [(v, f) for v in dt.variants() for f in (0, NEW_FLAGS, NEW_FLAGS | dt.PDL)]
+    rows += [(dt.variants()[0], f) for f in (dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL)]
+    return rows
+
+
+def _fits(variant):
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 1 << 30)
+    return dt.variant_smem_bytes(variant) <= optin
+
+
+def _flag_label(flags):
+    return "+".join(n for bit, n in dt.FLAG_NAMES.items() if flags & bit) or "-"
+
+
+@pytest.mark.skipif(not SWEEP, reason="opt-in: BENCH_DECODE_SWEEP=1")
+@pytest.mark.parametrize("hq,hkv", HEADS)
+@pytest.mark.parametrize("b,ctx", CASES)
+def test_decode_sweep(b, ctx, hq, hkv):
+    if not dt.available():
+        pytest.skip("the extension has no decode tuning hooks")
+    bs = SWEEP_BS
+    scale = 1 / math.sqrt(D)
+    sets = _make_sets(b, ctx, hq, hkv, bs)
+    calls = max(len(sets), 8)
+    key = (b, ctx, hq, hkv)  # cuDNN from the plain benchmark of this process, else timed here
+    baselines = _BASELINES.get(key) or _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=True)
+    cudnn = baselines[0].get("cudnn")
+    # forced counts past one chunk (256 keys) per split only add empty CTAs
+    splits = [s for s in SWEEP_SPLITS if s == 1 or s <= ctx // 256]
+    cols = [0] + splits
+    table, results = [], []
+    for variant, flags in _sweep_rows():
+        cells = []
+        for ns in cols:
+            if not _fits(variant):
+                cells.append("n/a")
+                continue
+            if ns == 1 and flags & ~dt.PDL:  # one split: no combine, interleave means nothing
+                cells.append("=")
+                continue
+            with dt.tuning(ns, variant, flags):
+                what = f"{variant} {_flag_label(flags)} splits={ns or 'auto'}"
+                _guard(sets[0], scale, what)
+                chosen = dt.last_num_splits()
+                t = _time_ours(sets, scale, calls)
+            results.append((t, variant, flags, ns, chosen))
+            cell = f"{t * 1e6:.2f}" + (f" {cudnn / t:.2f}x" if cudnn else "")
+            cells.append(cell + (f" [{chosen}]" if ns == 0 else ""))
+        table.append(f"| {variant} | {_flag_label(flags)} | " + " | ".join(cells) + " |")
+
+    case = f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs}"
+    base = f"cudnn {cudnn * 1e6:.2f} us" if cudnn else "cudnn unavailable"
+    head = [f"\n### decode sweep: {case} ({base}; cell: our us, cudnn/ours, [auto's split count]; "
+            "'=' is the same kernel as the row without interleave / fast_combine)",
+            "| variant | flags | " + " | ".join(f"{s or 'auto'}" for s in cols) + " |",
+            "|---|---|" + "---|" * len(cols)]
+    results.sort(key=lambda r: r[0])
+    default = next(r for r in results if r[1] == dt.variants()[0] and r[2] == 0 and r[3] == 0)
+
+    def describe(r):
+        ratio = f" = {cudnn / r[0]:.2f}x cudnn" if cudnn else ""
+        return (f"{r[1]} flags={_flag_label(r[2])} splits={r[3] or 'auto'} ({r[4]}): "
+                f"{r[0] * 1e6:.2f} us{ratio}")
+
+    tail = [f"best: {describe(results[0])}", f"runner-up: {describe(results[1])}",
+            f"default: {describe(default)}"]
+    text = "\n".join(head + table + [""] + tail) + "\n"
+    print(text)
+    path = os.environ.get("BENCH_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(text)

@@ -11,18 +11,25 @@ Outputs are NaN-poisoned before each call, so every element must be written.
 
 Both kernel paths are covered: one split (the batch fills the GPU: out written directly) and
 split-KV with the combine pass (small batches, long contexts), chosen by the launcher from
-B * Hkv against the SM count.
+B * Hkv against the SM count. Every tuning switch (qwen3_kernels.decode_tuning: kernel variant,
+forced split count, interleaved splits, the fast combine, PDL on the main kernel) is tested on its
+own and combined, against the same reference, with a NaN-poisoned workspace.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import qwen3_kernels
 import qwen3_kernels.reference as ref
+from qwen3_kernels import decode_tuning as dt
 from qwen3_kernels.ops import MAX_DECODE_SPLITS, decode_workspace
 from tests.helpers import rel_err, requires_cuda
 from tests.test_attention_reference import GQA, make_paged_kv, sdpa_decode
@@ -132,8 +139,38 @@ def test_decode_zero_length_sequences_give_zeros(lens):
         _check(out, case, q, scale, rows=live)
 
 
+@pytest.fixture
+def tuned(request):
+    """Runs the test under decode tuning request.param = (num_splits, variant, flags); restores."""
+    num_splits, variant, flags = request.param
+    if not dt.available():
+        pytest.skip("the extension has no decode tuning hooks")
+    if not _fits(variant):
+        pytest.skip(f"{variant} needs more shared memory than this GPU has per block")
+    with dt.tuning(num_splits, variant, flags):
+        yield request.param
+
+
+def _fits(variant):
+    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 1 << 30)
+    return dt.variant_smem_bytes(variant) <= optin
+
+
+ALL_FLAGS = dt.INTERLEAVE | dt.FAST_COMBINE | dt.PDL
+
+
+def _ids(tunings):
+    """Test ids that need no extension (collection runs everywhere): w4s3-auto-f0, w8s3-s7-f7."""
+    return [f"{v}-{f's{n}' if n else 'auto'}-f{f}" for n, v, f in tunings]
+
+
+GRAPH_TUNINGS = [(0, "w4s3", 0), (0, "w4s3", ALL_FLAGS), (0, "w8s3", ALL_FLAGS),
+                 (7, "w4s2", ALL_FLAGS)]
+
+
+@pytest.mark.parametrize("tuned", GRAPH_TUNINGS, indirect=True, ids=_ids(GRAPH_TUNINGS))
 @pytest.mark.parametrize("batch", [4, 48])
-def test_decode_cuda_graph_replay_after_lens_and_tables_change(batch):
+def test_decode_cuda_graph_replay_after_lens_and_tables_change(batch, tuned):
     # One cache holds two sets of sequences; the graph is captured on the first set's block tables
     # and lengths, then the static buffers get the second set's values and the graph is replayed.
     hq, hkv, bs = 32, 8, 16
@@ -215,3 +252,101 @@ def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.qwen3_kernels.paged_attention_decode(torch.empty_like(q), q, kc, kc.clone(), bt,
                                                        lens, 0.1, ws)
+
+
+# ---- tuning switches (qwen3_kernels.decode_tuning) --------------------------------------------
+
+VARIANTS = ["w4s3", "w4s2", "w4s4", "w4s6", "w8s3"]
+FLAG_SETS = [0, dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL, ALL_FLAGS]
+FORCED_SPLITS = [0, 1, 2, 7, 64]  # 0 = the launcher's choice
+
+
+@functools.lru_cache(maxsize=None)
+def _boundary_case(hq, hkv, bs):
+    """Contexts 1, bs - 1, bs, bs + 1 and 32768 in one batch; the reference computed once."""
+    lens = [1, bs - 1, bs, bs + 1, 32768]
+    case = make_paged_kv(lens, hkv, bs, dtype=torch.bfloat16, device="cuda", seed=hq + hkv + bs)
+    g = torch.Generator().manual_seed(hq * 31 + bs)
+    q = (torch.randn(len(lens), hq, D, generator=g) * 2.0).to("cuda", torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    want = ref.paged_attention_decode(q.float(), case["k_cache"].float(), case["v_cache"].float(),
+                                      case["block_tables"], case["seq_lens"], scale)
+    base = sdpa_decode(q, case["k"], case["v"], scale, dtype=q.dtype).float()
+    limits = ((base - want).abs().max().item(), rel_err(base, want))
+    return case, q, scale, want, limits
+
+
+def _run_boundary(hq, hkv, bs):
+    case, q, scale, want, (base_max, base_rel) = _boundary_case(hq, hkv, bs)
+    out = torch.full_like(q, float("nan"))
+    # stale workspace rows (splits that saw no key) must never be read into the output
+    ws = decode_workspace(q.shape[0], hq, D, "cuda").fill_(float("nan"))
+    qwen3_kernels.paged_attention_decode(q, case["k_cache"], case["v_cache"], case["block_tables"],
+                                         case["seq_lens"], scale, out=out, workspace=ws)
+    assert torch.isfinite(out).all(), "an output was not written (NaN poison) or read poison"
+    ours_max, ours_rel = (out.float() - want).abs().max().item(), rel_err(out.float(), want)
+    assert ours_max <= 2 * base_max + EPS, f"max abs err {ours_max:.3e} vs torch {base_max:.3e}"
+    assert ours_rel <= 2 * base_rel + EPS, f"rel err {ours_rel:.3e} vs torch {base_rel:.3e}"
+
+
+TUNINGS = [(n, v, f) for v in VARIANTS for f in FLAG_SETS for n in FORCED_SPLITS]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("tuned", TUNINGS, indirect=True, ids=_ids(TUNINGS))
+def test_decode_every_tuning_at_block_boundaries_and_32k(tuned, block_size):
+    num_splits = tuned[0]
+    _run_boundary(32, 8, block_size)
+    if num_splits:
+        assert dt.last_num_splits() == num_splits  # the forced count reached the launch
+
+
+GQA_TUNINGS = ([(n, v, ALL_FLAGS) for v in VARIANTS for n in (0, 1, 7)]
+               + [(2, "w4s3", 0), (64, "w4s3", 0)])
+
+
+@pytest.mark.parametrize("hq,hkv", GQA)
+@pytest.mark.parametrize("tuned", GQA_TUNINGS, indirect=True, ids=_ids(GQA_TUNINGS))
+def test_decode_every_variant_with_each_gqa_ratio(tuned, hq, hkv):
+    _run_boundary(hq, hkv, 16)
+
+
+LARGE_TUNINGS = [(0, v, f) for v in VARIANTS for f in (0, ALL_FLAGS)]
+
+
+@pytest.mark.parametrize("tuned", LARGE_TUNINGS, indirect=True, ids=_ids(LARGE_TUNINGS))
+def test_decode_every_variant_large_batch_and_group_of_20(tuned):
+    # one split (B * Hkv fills the GPU) and two CTAs per kv head (20 q heads per kv head)
+    rnd = random.Random(21)
+    lens = [rnd.randint(1, 2500) for _ in range(64)] + [1, 16, 4096]
+    _check(*_run_case(lens, 32, 8, 16, seed=22))
+    _check(*_run_case([1, 300, 2049], 40, 2, 16, seed=23))
+
+
+def test_decode_tuning_api():
+    if not dt.available():
+        pytest.skip("the extension has no decode tuning hooks")
+    assert dt.variants() == VARIANTS
+    before = dt.get()
+    with dt.tuning(5, "w8s3", dt.INTERLEAVE | dt.PDL):
+        assert dt.get() == (5, VARIANTS.index("w8s3"), dt.INTERLEAVE | dt.PDL)
+    assert dt.get() == before
+    with pytest.raises(ValueError):
+        dt.set_tuning(0, "w9s9", 0)
+    with pytest.raises(ValueError):
+        dt.set_tuning(0, 0, 64)  # not a flag
+    with pytest.raises(ValueError):
+        dt.set_tuning(-1, 0, 0)
+    assert dt.get() == before
+
+
+def test_decode_tuning_from_the_environment():
+    # the initial values are read once per process: check them in a fresh one
+    code = ("import torch, qwen3_kernels; from qwen3_kernels import decode_tuning as dt; "
+            "print(dt.get())")
+    env = {**os.environ, "QWEN3_DECODE_SPLITS": "3", "QWEN3_DECODE_VARIANT": "w4s6",
+           "QWEN3_DECODE_FLAGS": "6"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == f"(3, {VARIANTS.index('w4s6')}, 6)"

@@ -15,21 +15,43 @@
 //     (Hq / Hkv of them; the rest are zero padding; groups larger than 16 take several CTAs, each
 //     re-reading the K/V: a case Qwen3 does not have).
 //   * The keys of a sequence are cut into tiles of 16 (the smallest block size, so a tile never spans
-//     two cache blocks: one block-table lookup per tile). The tiles are divided evenly among the
-//     splits (at least 16 tiles a split: a short sequence leaves the last splits empty), using the
-//     sequence's real length read on the device: the split count itself is chosen
-//     on the host from B, Hkv, the SM count and the context's upper bound (max_blocks * block_size),
-//     so no host sync is needed and a CUDA graph replays correctly whatever seq_lens hold.
-//   * Inside the CTA each of the 4 warps takes every 4th tile of the split and runs its own
-//     cp.async pipeline (3 stages of a 16-key K tile + V tile = 8 KB each) and its own online
-//     softmax; warps never wait for each other until the final merge through shared memory.
+//     two cache blocks: one block-table lookup per tile). A "chunk" is 4 tiles per warp (256 keys
+//     with 4 warps); a non-empty split covers at least one chunk, so short sequences use fewer
+//     splits rather than many CTAs that each fill no pipeline. The split count itself is chosen on
+//     the host from B, Hkv, the SM count and the context's upper bound (max_blocks * block_size), so
+//     no host sync is needed and a CUDA graph replays correctly whatever seq_lens hold.
+//     Two ways to give tiles to splits (a run-time flag, see "Tuning" below):
+//       contiguous (default): the sequence's tiles, from its real length read on the device, are
+//         cut into num_splits equal ranges. The first block-table read waits on seq_lens.
+//       interleaved: split s takes chunks s, s + num_splits, s + 2 num_splits, ... Where a split
+//         starts no longer depends on seq_len, so the block-table and seq_lens reads overlap (one
+//         memory latency less before the first K/V byte arrives).
+//   * Inside the CTA each warp takes every kWarps-th tile of the split (within a chunk) and runs
+//     its own cp.async pipeline (kStages stages of a 16-key K tile + V tile = 8 KB each) and its own
+//     online softmax; warps never wait for each other until the final merge through shared memory.
 //   * Math on tensor cores (mma.sync m16n8k16, fp32 accumulate): S = Q K^T with Q (16 rows x 128)
 //     held in registers for the whole kernel, P = softmax numerator rounded to the input dtype (as
 //     FlashAttention does), O += P V. This leaves the SM's issue slots nearly idle, which is what a
 //     bandwidth-bound kernel wants.
 //   * One split: the CTA normalises and writes out[b, h, :] directly. Several splits: each CTA
 //     writes its normalised partial output and log2-sum-exp to the workspace, and a small combine
-//     kernel merges them. A split with no keys writes lse = -inf and the combine skips it.
+//     kernel (launched with PDL on sm_90) merges them. A split with no keys writes lse = -inf and
+//     the combine skips it.
+//
+// Tuning (for benchmarks and tests; the defaults are the measured behaviour of 2026-11-29):
+//   variant   kernel shape, warps x stages: w4s3 (default: 96 KB smem, 2 CTAs per SM on H100/H200),
+//             w4s2 (64 KB, 3 per SM), w4s4 (128 KB), w4s6 (192 KB), w8s3 (192 KB: 8 warps; the
+//             last three run 1 CTA per SM with more bytes in flight per SM).
+//   splits    0 = choose_num_splits (the default), n > 0 forces n (capped by the workspace and 64).
+//   flags     kFlagInterleave (above), kFlagFastCombine (the combine kernel reads all its partials
+//             at once, one memory round trip, instead of a loop of dependent loads), kFlagPdl (the
+//             main kernel is launched with programmatic dependent launch too: it waits for the
+//             previous kernel at its very first instruction, so only its launch overlaps the
+//             previous kernel's tail; kernels trigger their dependents early).
+//   Set from the environment once (QWEN3_DECODE_SPLITS=n, QWEN3_DECODE_VARIANT=name,
+//   QWEN3_DECODE_FLAGS=bits) or at any time through the exported C function
+//   qwen3_decode_set_tuning (qwen3_kernels/decode_tuning.py wraps it), which a benchmark calls
+//   between runs. The launcher reads three relaxed atomics per call: nothing on the hot path.
 //
 // Shared memory tiles are [16 keys][128 dims] with the 16-byte chunk index XOR-swizzled by
 // (row & 7), so ldmatrix (8 rows x 16 bytes per phase) and the cp.async writes are bank-conflict
@@ -42,7 +64,10 @@
 // Not checked on the device (no bound is passed, and a check would need a host sync): block_tables
 // entries must be < num_blocks. seq_lens are clamped to [0, max_blocks * block_size]; a sequence of
 // length 0 gets a zero output.
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
 
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
@@ -53,21 +78,49 @@ namespace {
 constexpr int kHeadDim = 128;
 constexpr int kRows = 16;                       // q heads per CTA: the mma M dimension
 constexpr int kTileKeys = 16;                   // keys per warp tile (= smallest block size)
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 3;                      // per-warp cp.async pipeline depth
 constexpr int kTileElems = kTileKeys * kHeadDim;
 constexpr int kStageElems = 2 * kTileElems;     // K tile then V tile
-constexpr int kPipeBytes = kWarps * kStages * kStageElems * 2;
+constexpr int kTilesPerWarpChunk = 4;           // a chunk: this many tiles for each warp
 constexpr int kMergeStride = kHeadDim + 8;      // padded fp32 row: conflict-free float2 stores
-constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
-constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
-constexpr int kMaxSplits = 64;                  // combine kernel holds one weight per split
-// A split covers at least this many tiles (256 keys, 4 per warp) so short sequences use fewer
-// splits rather than many CTAs that each fill no pipeline; the splits left over exit at once.
-constexpr int kMinTilesPerSplit = kWarps * 4;
-static_assert(kThreads == kHeadDim, "the merge and combine give each thread one dim");
+constexpr int kMaxSplits = 64;                  // combine kernels hold one weight per split
+constexpr int kCombineThreads = 128;            // one thread per dim
 static_assert(kTileElems * 2 / 16 == 8 * 32, "a tile is 8 16-byte chunks per lane");
+static_assert(kCombineThreads == kHeadDim, "the combine gives each thread one dim");
+
+// Run-time flags (see "Tuning" in the header).
+constexpr int kFlagInterleave = 1;
+constexpr int kFlagFastCombine = 2;
+constexpr int kFlagPdl = 4;
+constexpr int kAllFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
+
+// The kernel shape: warps per CTA and cp.async stages per warp.
+template <int kWarps_, int kStages_>
+struct Shape {
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kPipeBytes = kWarps * kStages * kStageElems * 2;
+  static constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
+  static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  // Tiles of one chunk, the smallest non-empty split.
+  static constexpr int kChunkTiles = kWarps * kTilesPerWarpChunk;
+  static_assert(kThreads % kHeadDim == 0, "the merge gives each thread one dim of some rows");
+  static_assert(kStages >= 2, "a pipeline needs a stage to fill while one is read");
+};
+
+// The variants the launcher can run, by index (QWEN3_DECODE_VARIANT / qwen3_decode_set_tuning).
+struct VariantInfo {
+  const char* name;
+  int warps, stages;
+};
+constexpr VariantInfo kVariants[] = {
+    {"w4s3", 4, 3},  // 0, the default: 96 KB of shared memory, 2 CTAs per SM on H100/H200
+    {"w4s2", 4, 2},  // 64 KB, 3 CTAs per SM: more CTAs to overlap one another's start and end
+    {"w4s4", 4, 4},  // 128 KB, 1 CTA per SM, 3 tiles in flight per warp
+    {"w4s6", 4, 6},  // 192 KB, 1 CTA per SM, 5 tiles in flight per warp
+    {"w8s3", 8, 3},  // 192 KB, 1 CTA per SM of 8 warps: 2 warps per scheduler hide mma latency
+};
+constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 
 struct DecodeParams {
   void* out;                    // [B, Hq, 128]
@@ -81,14 +134,16 @@ struct DecodeParams {
   int num_q_heads, num_kv_heads, group, head_chunks;
   int block_size, max_blocks, num_splits, max_splits;
   int ctx_cap;                  // min(max_blocks * block_size, 2^30): seq_lens are clamped to it
+  int interleave;               // 1: split s takes chunks s, s + num_splits, ... (else contiguous)
+  int pdl;                      // 1: launched with PDL; wait for the previous grid first
   float scale_log2;             // softmax scale * log2(e): the kernel works in base 2
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
 
-// Programmatic dependent launch (sm_90+): the main kernel lets the combine kernel be launched while
-// its last wave still runs, and the combine kernel waits here until the main grid has finished and
-// its writes are visible. Hides the combine's launch latency; both are no-ops without PDL.
+// Programmatic dependent launch (sm_90+): a kernel lets the next one (launched with the PDL
+// attribute) be scheduled while it still runs, and that kernel waits here until its predecessor
+// grid has finished and its writes are visible. Hides launch latency; both are no-ops without PDL.
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);
@@ -107,11 +162,15 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 
 // ---- main kernel --------------------------------------------------------------------------------
 
-// grid (num_splits, Hkv * head_chunks, B), kThreads threads, kSmemBytes dynamic shared memory.
-template <typename T, bool kSplit>
-__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
+// grid (num_splits, Hkv * head_chunks, B), S::kThreads threads, S::kSmemBytes of dynamic smem.
+template <typename T, bool kSplit, typename S>
+__global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
+  constexpr int kWarps = S::kWarps;
+  constexpr int kStages = S::kStages;
+  constexpr int kChunkTiles = S::kChunkTiles;
   extern __shared__ __align__(16) unsigned char smem[];
-  if constexpr (kSplit) pdl_launch_dependents();
+  if (p.pdl) pdl_wait_primary();  // before any read: the previous kernel may have written q or K/V
+  if (kSplit || p.pdl) pdl_launch_dependents();
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks;
   const int chunk = blockIdx.y % p.head_chunks;
@@ -124,20 +183,48 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   // This split's share of the sequence's tiles, from the length on the device.
   const int seq_len = max(0, min(p.seq_lens[b], p.ctx_cap));
   const int n_tiles = (seq_len + kTileKeys - 1) / kTileKeys;
-  const int per_split = max((n_tiles + p.num_splits - 1) / p.num_splits, kMinTilesPerSplit);
-  // (0 without splits, known at compile time, so the first block-table reads need not wait for
-  // seq_lens to arrive)
-  const int tile_begin = kSplit ? min(split * per_split, n_tiles) : 0;
-  const int tile_end = min(tile_begin + per_split, n_tiles);
-  if (kSplit && tile_begin == tile_end) {  // nothing to read: an empty partial, skipped by combine
+  const bool interleave = kSplit && p.interleave;
+  // contiguous splits: tiles [tile_begin, tile_end); warp w takes tile_begin + w + i * kWarps.
+  // (tile_begin is 0 without splits, known at compile time, so the first block-table reads need
+  // not wait for seq_lens to arrive)
+  int tile_begin = 0, n_mine = 0;
+  bool empty = false;
+  if (interleave) {
+    // chunks split, split + num_splits, ...; the last chunk of the sequence may be partial
+    const int n_chunks = (n_tiles + kChunkTiles - 1) / kChunkTiles;
+    empty = split >= n_chunks;
+    if (!empty) {
+      const int my_chunks = (n_chunks - 1 - split) / p.num_splits + 1;
+      n_mine = my_chunks * kTilesPerWarpChunk;
+      if ((n_chunks - 1 - split) % p.num_splits == 0) {  // this split owns the last chunk
+        const int rem = n_tiles - (n_chunks - 1) * kChunkTiles;  // its tiles, 1 .. kChunkTiles
+        const int in_last = rem > warp ? (rem - warp + kWarps - 1) / kWarps : 0;
+        n_mine += in_last - kTilesPerWarpChunk;
+      }
+    }
+  } else {
+    const int per_split = max((n_tiles + p.num_splits - 1) / p.num_splits, kChunkTiles);
+    tile_begin = kSplit ? min(split * per_split, n_tiles) : 0;
+    const int tile_end = min(tile_begin + per_split, n_tiles);
+    empty = tile_begin == tile_end;
+    const int my_first = tile_begin + warp;
+    n_mine = tile_end > my_first ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
+  }
+  if (kSplit && empty) {  // nothing to read: an empty partial, skipped by the combine
     if (threadIdx.x < rows) {
       const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
       p.ws_lse[bh * p.max_splits + split] = -INFINITY;
     }
     return;
   }
-  const int my_first = tile_begin + warp;  // this warp: tiles my_first, + kWarps, ... < tile_end
-  const int n_mine = tile_end > my_first ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
+  // The sequence tile of this warp's i-th tile.
+  auto tile_of = [&](int i) -> int {
+    if (interleave) {
+      const int c = split + (i / kTilesPerWarpChunk) * p.num_splits;
+      return c * kChunkTiles + warp + (i % kTilesPerWarpChunk) * kWarps;
+    }
+    return tile_begin + warp + i * kWarps;
+  };
 
   // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero.
   const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim;
@@ -163,12 +250,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
 
   // The block id of the i-th tile of this warp, read one tile ahead of its copy so the copy never
   // waits on the block-table load. The index is clamped to the table rather than checked against
-  // n_mine, so the read does not wait on seq_len either; ids past n_mine are never used.
+  // n_mine, so the read does not wait on seq_len either (except for contiguous splits, whose
+  // start depends on it); ids past n_mine are never used.
   auto block_of = [&](int i) -> int {
-    return table[min((my_first + i * kWarps) * kTileKeys / p.block_size, p.max_blocks - 1)];
+    return table[min(tile_of(i) * kTileKeys / p.block_size, p.max_blocks - 1)];
   };
   auto issue = [&](int i, int block) {
-    const int key0 = (my_first + i * kWarps) * kTileKeys;
+    const int key0 = tile_of(i) * kTileKeys;
     const int64_t base = static_cast<int64_t>(block) * block_stride +
                          static_cast<int64_t>(key0 % p.block_size) * row_stride + lane_chunk * 8;
     T* ks = pipe + (i % kStages) * kStageElems;
@@ -223,7 +311,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
     }
 
     // Online softmax in base 2; keys past the sequence end are -inf.
-    const int key_base = (my_first + i * kWarps) * kTileKeys;
+    const int key_base = tile_of(i) * kTileKeys;
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -313,8 +401,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
   __syncthreads();
 
-  const int d = threadIdx.x;
-  for (int r = 0; r < rows; ++r) {
+  // Thread (d, r0): dim d of rows r0, r0 + kThreads / 128, ...
+  const int d = threadIdx.x % kHeadDim;
+  for (int r = threadIdx.x / kHeadDim; r < rows; r += S::kThreads / kHeadDim) {
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm[w * kRows + r]);
@@ -339,17 +428,18 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
 }
 
-// ---- combine kernel -----------------------------------------------------------------------------
+// ---- combine kernels ----------------------------------------------------------------------------
 
-// grid (B * Hq), kThreads threads: out[b, h, d] = sum_s w_s * partial_s[d] / sum_s w_s with
+// grid (B * Hq), kCombineThreads threads: out[b, h, d] = sum_s w_s * partial_s[d] / sum_s w_s with
 // w_s = 2^(lse_s - max lse). Splits that saw no key (lse = -inf) are skipped, so their stale
 // workspace rows (maybe NaN) are never read.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) paged_decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kCombineThreads) paged_decode_combine_kernel(const DecodeParams p) {
   __shared__ float weight[kMaxSplits];
   __shared__ float inv_total;
   const int64_t bh = blockIdx.x;
   const float* lse = p.ws_lse + bh * p.max_splits;
+  if (p.pdl) pdl_launch_dependents();
   pdl_wait_primary();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -376,6 +466,91 @@ __global__ void __launch_bounds__(kThreads) paged_decode_combine_kernel(const De
   static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(acc * inv_total);
 }
 
+// Same result, one memory round trip: warp w owns splits w, w + 4, ... and each lane 4 dims
+// (float4), so every partial row of a (b, h) is loaded at once, next to the lse loads, before any
+// is used. The loop above issues its loads behind a data-dependent branch, one after another: at
+// 32+ splits (batch 1, long context) that chain of L2 latencies is several microseconds.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    paged_decode_combine_fast_kernel(const DecodeParams p) {
+  constexpr int kCWarps = kCombineThreads / 32;
+  constexpr int kPerWarp = kMaxSplits / kCWarps;  // splits a warp may own
+  __shared__ float4 red[kCWarps][32];             // each warp's sum, dims 4 lane .. 4 lane + 3
+  const int64_t bh = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (p.pdl) pdl_launch_dependents();
+  pdl_wait_primary();
+  const float* lse = p.ws_lse + bh * p.max_splits;
+  const float4* part =
+      reinterpret_cast<const float4*>(p.ws_out + bh * p.max_splits * kHeadDim) + lane;
+  float4 v[kPerWarp];
+#pragma unroll
+  for (int k = 0; k < kPerWarp; ++k) {
+    const int s = warp + k * kCWarps;
+    v[k] = s < p.num_splits ? part[s * (kHeadDim / 4)] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
+  const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
+  float m = fmaxf(a, c);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
+  const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
+  const float total = warp_sum(wa + wc);  // every warp the same
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < kPerWarp; ++k) {
+    const int s = warp + k * kCWarps;  // the same in all lanes
+    if (s < p.num_splits) {
+      const float w = __shfl_sync(0xffffffffu, s < 32 ? wa : wc, s & 31);
+      if (w != 0.f) {  // a skipped split's stale row may hold NaN: never multiply it
+        acc.x += w * v[k].x;
+        acc.y += w * v[k].y;
+        acc.z += w * v[k].z;
+        acc.w += w * v[k].w;
+      }
+    }
+  }
+  red[warp][lane] = acc;
+  __syncthreads();
+  const int d = threadIdx.x;
+  const float* redf = reinterpret_cast<const float*>(red);  // [kCWarps][kHeadDim]
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCWarps; ++w) sum += redf[w * kHeadDim + d];
+  static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
+}
+
+// ---- tuning state -------------------------------------------------------------------------------
+
+struct Tuning {
+  std::atomic<int> splits{0};   // 0 = choose_num_splits
+  std::atomic<int> variant{0};  // index into kVariants
+  std::atomic<int> flags{0};    // kFlag* bits
+  std::atomic<int> last_splits{0};
+};
+
+int variant_index(const char* name) {
+  for (int i = 0; i < kNumVariants; ++i)
+    if (std::strcmp(name, kVariants[i].name) == 0) return i;
+  char* end = nullptr;
+  const long v = std::strtol(name, &end, 10);
+  return end != name && *end == '\0' && v >= 0 && v < kNumVariants ? static_cast<int>(v) : -1;
+}
+
+// The process-wide tuning, initialised once from the environment (bad values are ignored).
+Tuning& tuning() {
+  static Tuning* t = [] {
+    auto* s = new Tuning();
+    if (const char* e = std::getenv("QWEN3_DECODE_SPLITS")) s->splits = std::max(0, std::atoi(e));
+    if (const char* e = std::getenv("QWEN3_DECODE_VARIANT"))
+      s->variant = std::max(0, variant_index(e));
+    if (const char* e = std::getenv("QWEN3_DECODE_FLAGS")) s->flags = std::atoi(e) & kAllFlags;
+    return s;
+  }();
+  return *t;
+}
+
 // ---- host side ----------------------------------------------------------------------------------
 
 constexpr int kMaxDevices = 64;
@@ -398,9 +573,10 @@ cudaError_t device_has_pdl(bool* has) {
   return cudaSuccess;
 }
 
-// Resident CTAs of the main kernel per SM (1 on A100's 164 KB of shared memory, 2 on H100/H200),
-// queried once per device. Also raises the kernel's dynamic shared memory limit, which is per device.
-template <typename T, bool kSplit>
+// Resident CTAs of the main kernel per SM (w4s3: 1 on A100's 164 KB of shared memory, 2 on
+// H100/H200), queried once per device. Also raises the kernel's dynamic shared memory limit, which
+// is per device. A shape that does not fit the device's shared memory fails here.
+template <typename T, bool kSplit, typename S>
 cudaError_t prepare_kernel(int* ctas_per_sm) {
   static int cached[kMaxDevices] = {};
   int dev = 0;
@@ -410,11 +586,11 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
     *ctas_per_sm = cached[dev];
     return cudaSuccess;
   }
-  auto kernel = paged_decode_kernel<T, kSplit>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  auto kernel = paged_decode_kernel<T, kSplit, S>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
   if (err != cudaSuccess) return err;
   int n = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmemBytes);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, S::kThreads, S::kSmemBytes);
   if (err != cudaSuccess) return err;
   n = n > 0 ? n : 1;
   if (dev < kMaxDevices) cached[dev] = n;
@@ -425,10 +601,10 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
 // How many splits: enough CTAs for whole waves over every SM slot, with each split keeping each
 // warp busy for several tiles (a pipeline that never fills wastes bandwidth). Depends only on host
 // values, never on seq_lens, so it needs no sync and stays valid across CUDA graph replays.
-int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits) {
+int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits, int chunk_tiles) {
   if (base_ctas * 5 >= slots * 4) return 1;  // the batch alone fills >= 80% of a wave
   const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
-  int cap = ctx_tiles / kMinTilesPerSplit;
+  int cap = ctx_tiles / chunk_tiles;
   cap = cap < max_splits ? cap : max_splits;
   cap = cap < kMaxSplits ? cap : kMaxSplits;
   if (cap <= 1) return 1;
@@ -445,48 +621,81 @@ int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits) {
   return cap;
 }
 
-template <typename T>
-cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, cudaStream_t stream) {
-  int ctas_per_sm = 1, unused = 1;
-  cudaError_t err = prepare_kernel<T, true>(&ctas_per_sm);
-  if (err != cudaSuccess) return err;
-  err = prepare_kernel<T, false>(&unused);
-  if (err != cudaSuccess) return err;
-
-  const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
-  p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits);
-  // Tuning override (benchmarks only): QWEN3_DECODE_SPLITS=n forces n splits, read once.
-  static const int forced_splits = [] {
-    const char* e = std::getenv("QWEN3_DECODE_SPLITS");
-    return e ? std::atoi(e) : 0;
-  }();
-  if (forced_splits > 0) {
-    const int cap = p.max_splits < kMaxSplits ? p.max_splits : kMaxSplits;
-    p.num_splits = forced_splits < cap ? forced_splits : cap;
-  }
-  const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
-  if (p.num_splits == 1) {
-    paged_decode_kernel<T, false><<<grid, kThreads, kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
-  }
-  paged_decode_kernel<T, true><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  bool pdl = false;
-  err = device_has_pdl(&pdl);
-  if (err != cudaSuccess) return err;
+// cudaLaunchKernelEx with the PDL attribute when asked for and the device has it.
+template <typename Kernel>
+cudaError_t launch_ex(Kernel kernel, dim3 grid, int threads, int smem, bool pdl,
+                      cudaStream_t stream, const DecodeParams& p) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(batch * p.num_q_heads);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 0;
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, paged_decode_combine_kernel<T>, p);
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
+
+template <typename T, typename S>
+cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forced_splits,
+                   int flags, cudaStream_t stream) {
+  int ctas_per_sm = 1, unused = 1;
+  cudaError_t err = prepare_kernel<T, true, S>(&ctas_per_sm);
+  if (err != cudaSuccess) return err;
+  err = prepare_kernel<T, false, S>(&unused);
+  if (err != cudaSuccess) return err;
+  bool has_pdl = false;
+  err = device_has_pdl(&has_pdl);
+  if (err != cudaSuccess) return err;
+
+  const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
+  p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
+                                   S::kChunkTiles);
+  if (forced_splits > 0) {
+    const int cap = p.max_splits < kMaxSplits ? p.max_splits : kMaxSplits;
+    p.num_splits = forced_splits < cap ? forced_splits : cap;
+  }
+  tuning().last_splits.store(p.num_splits, std::memory_order_relaxed);
+  p.interleave = (flags & kFlagInterleave) ? 1 : 0;
+  p.pdl = (flags & kFlagPdl) && has_pdl ? 1 : 0;
+  const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
+  if (p.num_splits == 1) {
+    if (p.pdl)
+      return launch_ex(paged_decode_kernel<T, false, S>, grid, S::kThreads, S::kSmemBytes, true,
+                       stream, p);
+    paged_decode_kernel<T, false, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if (p.pdl) {
+    err = launch_ex(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true, stream,
+                    p);
+  } else {
+    paged_decode_kernel<T, true, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) return err;
+  const dim3 cgrid(batch * p.num_q_heads);
+  if (flags & kFlagFastCombine)
+    return launch_ex(paged_decode_combine_fast_kernel<T>, cgrid, kCombineThreads, 0, has_pdl,
+                     stream, p);
+  return launch_ex(paged_decode_combine_kernel<T>, cgrid, kCombineThreads, 0, has_pdl, stream, p);
+}
+
+template <typename T>
+cudaError_t launch_variant(int variant, DecodeParams p, int batch, int max_ctx, int num_sms,
+                           int forced_splits, int flags, cudaStream_t stream) {
+  const int f = forced_splits;
+  switch (variant) {
+    case 1: return launch<T, Shape<4, 2>>(p, batch, max_ctx, num_sms, f, flags, stream);
+    case 2: return launch<T, Shape<4, 4>>(p, batch, max_ctx, num_sms, f, flags, stream);
+    case 3: return launch<T, Shape<4, 6>>(p, batch, max_ctx, num_sms, f, flags, stream);
+    case 4: return launch<T, Shape<8, 3>>(p, batch, max_ctx, num_sms, f, flags, stream);
+    default: return launch<T, Shape<4, 3>>(p, batch, max_ctx, num_sms, f, flags, stream);
+  }
+}
+static_assert(kNumVariants == 5, "launch_variant's switch lists every variant");
 
 }  // namespace
 
@@ -524,7 +733,65 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   const int max_ctx = max_ctx64 > (1 << 30) ? (1 << 30) : static_cast<int>(max_ctx64);
   p.ctx_cap = max_ctx;
   if (num_kv_heads * p.head_chunks > 65535) return cudaErrorInvalidValue;
-  return QWEN3_DISPATCH_HALF(dtype, T, [&] { return launch<T>(p, batch, max_ctx, num_sms, stream); });
+  Tuning& tu = tuning();
+  const int forced_splits = tu.splits.load(std::memory_order_relaxed);
+  const int variant = tu.variant.load(std::memory_order_relaxed);
+  const int flags = tu.flags.load(std::memory_order_relaxed);
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    return launch_variant<T>(variant, p, batch, max_ctx, num_sms, forced_splits, flags, stream);
+  });
 }
 
 }  // namespace qwen3_kernels
+
+// ---- tuning hooks for benchmarks and tests (C ABI, found by ctypes in the loaded extension) -----
+// Not part of the op surface: qwen3_kernels/decode_tuning.py is their only caller.
+
+#define QWEN3_DECODE_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Sets the split count (0 = automatic), variant index and flag bits for the following calls.
+// Returns 0, or -1 (and changes nothing) when the variant or a flag is unknown or splits < 0.
+QWEN3_DECODE_EXPORT int qwen3_decode_set_tuning(int splits, int variant, int flags) {
+  using namespace qwen3_kernels;
+  if (splits < 0 || variant < 0 || variant >= kNumVariants || (flags & ~kAllFlags) != 0) return -1;
+  Tuning& t = tuning();
+  t.splits.store(splits, std::memory_order_relaxed);
+  t.variant.store(variant, std::memory_order_relaxed);
+  t.flags.store(flags, std::memory_order_relaxed);
+  return 0;
+}
+
+// The current settings: out[0] = splits, out[1] = variant, out[2] = flags.
+QWEN3_DECODE_EXPORT void qwen3_decode_get_tuning(int* out) {
+  qwen3_kernels::Tuning& t = qwen3_kernels::tuning();
+  out[0] = t.splits.load(std::memory_order_relaxed);
+  out[1] = t.variant.load(std::memory_order_relaxed);
+  out[2] = t.flags.load(std::memory_order_relaxed);
+}
+
+QWEN3_DECODE_EXPORT int qwen3_decode_num_variants() { return qwen3_kernels::kNumVariants; }
+
+// Dynamic shared memory of the variant's main kernel in bytes (a variant that needs more than the
+// device allows per block fails at launch with an error), or -1 out of range.
+QWEN3_DECODE_EXPORT int qwen3_decode_variant_smem_bytes(int variant) {
+  using namespace qwen3_kernels;
+  switch (variant) {
+    case 0: return Shape<4, 3>::kSmemBytes;
+    case 1: return Shape<4, 2>::kSmemBytes;
+    case 2: return Shape<4, 4>::kSmemBytes;
+    case 3: return Shape<4, 6>::kSmemBytes;
+    case 4: return Shape<8, 3>::kSmemBytes;
+    default: return -1;
+  }
+}
+
+// The variant's name ("w4s3", ...), or nullptr out of range.
+QWEN3_DECODE_EXPORT const char* qwen3_decode_variant_name(int variant) {
+  using namespace qwen3_kernels;
+  return variant >= 0 && variant < kNumVariants ? kVariants[variant].name : nullptr;
+}
+
+// The split count of the most recent launch (any thread): what the automatic choice picked.
+QWEN3_DECODE_EXPORT int qwen3_decode_last_num_splits() {
+  return qwen3_kernels::tuning().last_splits.load(std::memory_order_relaxed);
+}

@@ -6,6 +6,9 @@
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated
+#   PARALLEL=1 ...        # on a machine with >= 2 GPUs: the test files run at once (each file one
+#                         # process, round-robin over all GPUs but the last) while the benchmarks run
+#                         # alone on the last GPU; tests needing 2 GPUs do not belong in such a round
 #
 # On the lent H200 (no internet) the nvidia-cutlass wheel travels in .whl/ (see README). Logs and
 # the benchmark table go to $OUT (or ./out) so they come back.
@@ -30,6 +33,25 @@ fi
 (cd /tmp && python3 -c "import torch, qwen3_kernels; assert qwen3_kernels.has_cuda_kernels(), qwen3_kernels.cuda_kernels_import_error(); print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)") || exit 1
 
 TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "${PARALLEL:-0}" = 1 ] && [ "$NGPU" -ge 2 ] && [ "$TESTS" != none ]; then
+  # tests in the background on GPUs 0..N-2, benchmarks below on GPU N-1: they never share a GPU
+  : > "$OUT/tests.log"
+  i=0
+  for f in $TESTS; do  # FILE@EXPR runs FILE -k EXPR ('+' for spaces): a big file as several shards
+    gpu=$(( i % (NGPU - 1) )); i=$(( i + 1 ))
+    log="$OUT/.tests_$i.log"
+    kexpr=()
+    if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
+    ( start=$(date +%s)
+      CUDA_VISIBLE_DEVICES=$gpu timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
+        -p no:cacheprovider "$f" "${kexpr[@]}" ${PYTEST_ARGS:-} > "$log" 2>&1
+      echo "tests $f ${kexpr[*]} (GPU $gpu): rc=$? $(grep -E '(passed|failed|error)' "$log" | tail -1) ($(( $(date +%s) - start )) s)" >> "$log.sum" ) &
+  done
+  TESTS=none
+  export CUDA_VISIBLE_DEVICES=$(( NGPU - 1 ))
+  BG_TESTS=1
+fi
 if [ "$TESTS" != none ]; then
   # One pytest process per file: a crash in one file cannot hide the others' results.
   : > "$OUT/tests.log"
@@ -52,6 +74,13 @@ if [ "$BENCH" != none ]; then
   done
   grep -E "FAILED|Error" "$OUT/bench.log" | head -20
   echo; echo "== benchmark table =="; cat "$OUT/bench.md" 2>/dev/null
+fi
+
+if [ "${BG_TESTS:-0}" = 1 ]; then
+  wait
+  cat "$OUT"/.tests_*.log >> "$OUT/tests.log"; cat "$OUT"/.tests_*.log.sum
+  rm -f "$OUT"/.tests_*.log "$OUT"/.tests_*.log.sum
+  grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
 
 # Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random weights.

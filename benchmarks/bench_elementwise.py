@@ -1,27 +1,88 @@
 """silu_and_mul, rms_norm, fused_add_rms_norm vs torch eager and torch.compile of the reference.
 
     cd benchmarks && pytest -q -s bench_elementwise.py
+    ELEMENTWISE_VARIANTS=auto pytest -q -s bench_elementwise.py   # the default launch only
 
 Bytes that must move: each input read once, each output written once. Inputs rotate through enough
 sets to exceed the L2 (60 MB); small-T cases replay a CUDA graph of many calls.
 Goals (TARGETS.md): >= 4.0 TB/s and >= 1.0x torch.compile at T = 16384; <= 4 us at T <= 256.
+
+Baselines: "compile" is torch.compile of the reference returning a new tensor, as before; inside a
+graph of many calls its output buffer is recycled, so at small T its writes stay in L2 while ours go
+to a different rotated `out` every call. "compile_out" writes into the same rotated outs as ours
+(`out.copy_(ref(x))`, which Inductor fuses into its kernel; the row says how many kernels a call
+launched): the like-for-like comparison for silu_and_mul and rms_norm. fused_add_rms_norm works in
+place, so its one compile baseline is already like for like.
+
+Launch variants (qwen3_kernels.elementwise_tuning; ELEMENTWISE_VARIANTS = all (default), auto, or a
+comma list): the plain row is the default ("auto"), each other variant gets a row "op[variant]"
+against the same baseline times. Norm variants differ only at T < 1024.
 """
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qwen3_kernels
+from qwen3_kernels import elementwise_tuning as et
 from qwen3_kernels import reference as ref
 from common import sets_for, time_gpu
 
 DT = torch.bfloat16
 EPS = 1e-6
 TOKENS = [16384, 256, 64, 16, 1]
+NORM_SMALL_T = 1024  # norm variants apply below this many rows (csrc/kernels/norm.cu kSmallT)
 
 
 def _compiled(fn):
     return torch.compile(fn, dynamic=False)
+
+
+def _variants(op: str, t: int) -> list[str]:
+    if not et.available():
+        return ["auto"]
+    names = et.variants(op)
+    if op == "norm" and t >= NORM_SMALL_T:
+        return ["auto"]  # every norm variant runs the same launch there
+    want = os.environ.get("ELEMENTWISE_VARIANTS", "all")
+    if want == "all":
+        return names
+    picked = [v.strip() for v in want.split(",") if v.strip()]
+    return ["auto"] + [v for v in picked if v in names and v != "auto"]
+
+
+def _kernels_per_call(fn) -> int:
+    """CUDA kernels one call of fn launches (the profiler's kernel events); -1 if it cannot tell."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    except Exception:  # noqa: BLE001 - a profiler problem must not cost the timings
+        return -1
+
+
+def _ours_by_variant(op: str, t: int, fns) -> dict[str, float]:
+    times = {}
+    for v in _variants(op, t):
+        if et.available():
+            with et.variant(op, v):
+                times[v] = time_gpu(fns, calls_per_replay=64)
+        else:
+            times[v] = time_gpu(fns, calls_per_replay=64)
+    return times
+
+
+def _report_all(report, op, case, ours, baselines, nbytes, note=""):
+    report(op, case, ours["auto"], baselines, nbytes=nbytes, note=note)
+    for v, s in ours.items():
+        if v != "auto":
+            report(f"{op}[{v}]", case, s, baselines, nbytes=nbytes)
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -32,11 +93,21 @@ def test_silu_and_mul(t, report):
     xs = [torch.randn(t, 2 * inter, dtype=DT, device="cuda") for _ in range(n)]
     outs = [torch.empty(t, inter, dtype=DT, device="cuda") for _ in range(n)]
     comp = _compiled(ref.silu_and_mul)
-    ours = time_gpu([lambda x=x, o=o: qwen3_kernels.silu_and_mul(x, out=o) for x, o in zip(xs, outs)],
-                    calls_per_replay=64)
+
+    def ref_out(x, o):
+        o.copy_(ref.silu_and_mul(x))
+
+    comp_out = _compiled(ref_out)
+    ours = _ours_by_variant("silu", t, [lambda x=x, o=o: qwen3_kernels.silu_and_mul(x, out=o)
+                                        for x, o in zip(xs, outs)])
     eager = time_gpu([lambda x=x: F.silu(x[:, :inter]) * x[:, inter:] for x in xs], calls_per_replay=64)
     compiled = time_gpu([lambda x=x: comp(x) for x in xs], calls_per_replay=64)
-    report("silu_and_mul", f"T={t} I={inter}", ours, {"eager": eager, "compile": compiled}, nbytes=nbytes)
+    compiled_out = time_gpu([lambda x=x, o=o: comp_out(x, o) for x, o in zip(xs, outs)],
+                            calls_per_replay=64)
+    k = _kernels_per_call(lambda: comp_out(xs[0], outs[0]))
+    _report_all(report, "silu_and_mul", f"T={t} I={inter}", ours,
+                {"eager": eager, "compile": compiled, "compile_out": compiled_out}, nbytes,
+                note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})")
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -48,11 +119,21 @@ def test_rms_norm(t, report):
     outs = [torch.empty_like(x) for x in xs]
     w = torch.randn(h, dtype=DT, device="cuda")
     comp = _compiled(ref.rms_norm)
-    ours = time_gpu([lambda x=x, o=o: qwen3_kernels.rms_norm(x, w, EPS, out=o) for x, o in zip(xs, outs)],
-                    calls_per_replay=64)
+
+    def ref_out(x, w, o):
+        o.copy_(ref.rms_norm(x, w, EPS))
+
+    comp_out = _compiled(ref_out)
+    ours = _ours_by_variant("norm", t, [lambda x=x, o=o: qwen3_kernels.rms_norm(x, w, EPS, out=o)
+                                        for x, o in zip(xs, outs)])
     eager = time_gpu([lambda x=x: F.rms_norm(x, (h,), w, EPS) for x in xs], calls_per_replay=64)
     compiled = time_gpu([lambda x=x: comp(x, w, EPS) for x in xs], calls_per_replay=64)
-    report("rms_norm", f"T={t} H={h}", ours, {"eager F.rms_norm": eager, "compile": compiled}, nbytes=nbytes)
+    compiled_out = time_gpu([lambda x=x, o=o: comp_out(x, w, o) for x, o in zip(xs, outs)],
+                            calls_per_replay=64)
+    k = _kernels_per_call(lambda: comp_out(xs[0], w, outs[0]))
+    _report_all(report, "rms_norm", f"T={t} H={h}", ours,
+                {"eager F.rms_norm": eager, "compile": compiled, "compile_out": compiled_out},
+                nbytes, note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})")
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -74,8 +155,11 @@ def test_fused_add_rms_norm(t, report):
         x.copy_(normed)
 
     comp = _compiled(ref_inplace)
-    ours = time_gpu([lambda x=x, r=r: qwen3_kernels.fused_add_rms_norm(x, r, w, EPS) for x, r in zip(xs, rs)],
-                    calls_per_replay=64)
+    ours = _ours_by_variant("norm", t, [lambda x=x, r=r: qwen3_kernels.fused_add_rms_norm(x, r, w, EPS)
+                                        for x, r in zip(xs, rs)])
     eager = time_gpu([lambda x=x, r=r: eager_fn(x, r) for x, r in zip(xs, rs)], calls_per_replay=64)
     compiled = time_gpu([lambda x=x, r=r: comp(x, r, w) for x, r in zip(xs, rs)], calls_per_replay=64)
-    report("fused_add_rms_norm", f"T={t} H={h}", ours, {"eager": eager, "compile": compiled}, nbytes=nbytes)
+    k = _kernels_per_call(lambda: comp(xs[0], rs[0], w))
+    _report_all(report, "fused_add_rms_norm", f"T={t} H={h}", ours,
+                {"eager": eager, "compile": compiled}, nbytes,
+                note=f"(compile: {k} kernel{'s' if k != 1 else ''})")

@@ -2,12 +2,15 @@
 
 Tolerance: both sides start from the same bf16/fp16 inputs and compute in fp32, so they differ
 only by the final rounding (and __expf / summation order): at most ~1 ulp of the output dtype.
+Every launch variant (qwen3_kernels.elementwise_tuning) runs every case: the fixtures
+silu_variant / norm_variant select it for the test.
 """
 
 import pytest
 import torch
 
 import qwen3_kernels
+from qwen3_kernels import elementwise_tuning as et
 from qwen3_kernels import reference as ref
 from tests.helpers import requires_cuda
 
@@ -22,10 +25,32 @@ def poisoned(*shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
+def _variants(op):
+    return et.variants(op) if et.available() else ["auto"]
+
+
+def _select(request, op):
+    if not et.available():
+        yield request.param
+        return
+    with et.variant(op, request.param):
+        yield request.param
+
+
+@pytest.fixture(params=_variants("silu"))
+def silu_variant(request):
+    yield from _select(request, "silu")
+
+
+@pytest.fixture(params=_variants("norm"))
+def norm_variant(request):
+    yield from _select(request, "norm")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("inter", [3072, 12288, 25600, 83])
-def test_silu_and_mul(t, inter, dtype):
+@pytest.mark.parametrize("inter", [3072, 12288, 25600, 83, 1032])
+def test_silu_and_mul(t, inter, dtype, silu_variant):
     if t * inter > 16384 * 12288:
         pytest.skip("keeps the test fast")
     x = torch.randn(t, 2 * inter, dtype=dtype, device="cuda") * 3
@@ -35,7 +60,7 @@ def test_silu_and_mul(t, inter, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_strided_rows(dtype):
+def test_silu_and_mul_strided_rows(dtype, silu_variant):
     base = torch.randn(37, 2 * 3072 + 64, dtype=dtype, device="cuda")
     x = base[:, 32:32 + 2 * 3072]  # 16-byte aligned strided rows: vector path
     out_base = poisoned(37, 3072 + 8, dtype=dtype)
@@ -49,8 +74,8 @@ def test_silu_and_mul_strided_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120, 769])
-def test_rms_norm(t, hidden, dtype):
+@pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120, 769, 64, 10240])
+def test_rms_norm(t, hidden, dtype, norm_variant):
     x = torch.randn(t, hidden, dtype=dtype, device="cuda")
     w = torch.randn(hidden, dtype=dtype, device="cuda")
     out = poisoned(t, hidden, dtype=dtype)
@@ -60,8 +85,8 @@ def test_rms_norm(t, hidden, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("hidden", [1024, 4096, 5120, 769])
-def test_fused_add_rms_norm(t, hidden, dtype):
+@pytest.mark.parametrize("hidden", [1024, 4096, 5120, 769, 10240])
+def test_fused_add_rms_norm(t, hidden, dtype, norm_variant):
     x = torch.randn(t, hidden, dtype=dtype, device="cuda")
     res = torch.randn(t, hidden, dtype=dtype, device="cuda") * 4
     w = torch.randn(hidden, dtype=dtype, device="cuda")
@@ -72,7 +97,7 @@ def test_fused_add_rms_norm(t, hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norms_strided_rows(dtype):
+def test_norms_strided_rows(dtype, norm_variant):
     base = torch.randn(19, 4096 + 64, dtype=dtype, device="cuda")
     x = base[:, 64:]
     w = torch.randn(4096, dtype=dtype, device="cuda")
@@ -128,7 +153,7 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(normed, ref.rms_norm(want_res, w, 1e-6), **TOL[torch.bfloat16])
 
 
-def test_graph_capture_small_batch():
+def test_graph_capture_small_batch(silu_variant):
     x = torch.randn(16, 2 * 3072, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(16, 3072, dtype=torch.bfloat16, device="cuda")
     qwen3_kernels.silu_and_mul(x, out=out)
@@ -139,3 +164,68 @@ def test_graph_capture_small_batch():
     out.fill_(float("nan"))
     g.replay()
     torch.testing.assert_close(out, ref.silu_and_mul(x), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_silu_dependent_calls_in_graph(t, silu_variant):
+    # The second call reads what the first wrote: with programmatic dependent launch it must wait
+    # for it (a missing wait reads the NaN poison).
+    inter = 3072
+    a = torch.randn(t, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(t, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(t, inter, dtype=torch.bfloat16, device="cuda")
+    qwen3_kernels.silu_and_mul(a, out=b[:, :inter])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        qwen3_kernels.silu_and_mul(a, out=b[:, :inter])
+        qwen3_kernels.silu_and_mul(b, out=c)
+    b[:, :inter] = float("nan")
+    c.fill_(float("nan"))
+    g.replay()
+    want_b = b.clone()
+    want_b[:, :inter] = ref.silu_and_mul(a)
+    torch.testing.assert_close(b[:, :inter], want_b[:, :inter], **TOL[torch.bfloat16])
+    torch.testing.assert_close(c, ref.silu_and_mul(b), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("t", [1, 16, 300])
+def test_norm_dependent_calls_in_graph(t, norm_variant):
+    # Each call reads the x and residual the previous one wrote (see the silu test above).
+    h = 4096
+    x0 = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    r0 = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(h, dtype=torch.bfloat16, device="cuda") * 0.1 + 1
+    x, r, out = x0.clone(), r0.clone(), torch.empty_like(x0)
+
+    def chain():
+        for _ in range(3):
+            qwen3_kernels.fused_add_rms_norm(x, r, w, 1e-6)
+        qwen3_kernels.rms_norm(r, w, 1e-6, out=out)
+
+    chain()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    x.copy_(x0)
+    r.copy_(r0)
+    out.fill_(float("nan"))
+    g.replay()
+    want_x, want_r = x0, r0
+    for _ in range(3):
+        want_x, want_r = ref.fused_add_rms_norm(want_x, want_r, w, 1e-6)
+    # Three rounded steps: allow each step's rounding (the sums are exact in the reference).
+    torch.testing.assert_close(r, want_r, atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(x, want_x, atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(out, ref.rms_norm(r, w, 1e-6), **TOL[torch.bfloat16])
+
+
+def test_variant_hooks():
+    for op in et.OPS:
+        names = et.variants(op)
+        assert names[0] == "auto" and "legacy" in names
+        before = et.current(op)
+        with et.variant(op, names[-1]):
+            assert et.current(op) == names[-1]
+        assert et.current(op) == before
+        with pytest.raises(ValueError, match="unknown"):
+            et.select(op, "no-such-variant")

@@ -4,9 +4,22 @@
 // 16 bytes per access (8 halves); rows may be strided (e.g. a view into a wider buffer) as long as
 // every row start is 16-byte aligned. Anything else (I % 8 != 0, odd strides) takes the scalar path,
 // which is slower but never wrong.
+//
+// Launch variants of the vector path (QWEN3_SILU_VARIANT = a name below or its index, read once;
+// benchmarks flip it with qwen3_silu_set_variant, see qwen3_kernels/elementwise_tuning.py):
+//   auto         flat grid; at T < 1024 one vector per thread in CTAs sized so the launch covers
+//                many SMs (32-128 threads), at T >= 1024 flat128x2
+//   legacy       grid (T, chunks), whole-row CTAs of up to 1024 threads x 4 vectors at T >= 1024,
+//                128 threads x 1 vector at T < 1024 (measured 0.99x torch.compile at T=16384)
+//   flatBxV      flat grid over the [T, I/8] vectors in memory order, B threads x V vectors
+//   persist256x2 flat256x2 on a grid-stride loop with one wave of CTAs (no CTA launch tail)
+//   auto_pdl     auto, launched with programmatic dependent launch (sm_90): the CTAs of this
+//                launch are scheduled while the previous kernel drains
 #include <algorithm>
+#include <type_traits>
 
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/tuning.cuh"
 
 namespace qwen3_kernels {
 namespace {
@@ -14,12 +27,37 @@ namespace {
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
 constexpr int kThreads = 256;  // scalar path
-constexpr int kVecs = 4;        // 16-byte vectors per thread on the vector path (large T)
-constexpr int kSmallT = 1024;   // below this many tokens: 1 vector per thread, more blocks
+constexpr int kVecs = 4;        // legacy: 16-byte vectors per thread on the vector path (large T)
+constexpr int kSmallT = 1024;   // below this many tokens: latency bound
+
+enum Variant {
+  kAuto,
+  kLegacy,
+  kFlat128x1,
+  kFlat128x2,
+  kFlat256x2,
+  kFlat128x4,
+  kFlat64x1,
+  kFlat32x1,
+  kPersist256x2,
+  kAutoPdl,
+  kNumVariants
+};
+constexpr const char* kVariantNames[kNumVariants] = {
+    "auto",      "legacy",    "flat128x1", "flat128x2", "flat256x2",
+    "flat128x4", "flat64x1",  "flat32x1",  "persist256x2", "auto_pdl"};
+
+VariantKnob<kNumVariants>& knob() {
+  static VariantKnob<kNumVariants> k("QWEN3_SILU_VARIANT", kVariantNames);
+  return k;
+}
+
+// ---- legacy: grid (T, chunks) ---------------------------------------------------------------------
 
 // grid (T, chunks): each thread owns up to kVecs vectors of one row, strided by blockDim so a warp's
 // accesses stay coalesced. All loads are issued before any math: 2 x 64 bytes in flight per thread
-// is what keeps HBM busy; one vector per thread left the kernel at ~0.96x Inductor.
+// is what keeps HBM busy; one vector per thread left the kernel at ~0.96x Inductor (with this
+// token-major grid, where CTAs running together touch the same chunk of many rows).
 template <typename T, int kVecs>
 __global__ void silu_and_mul_vec_kernel(T* __restrict__ out,        // [T, I], row stride out_stride
                                         const T* __restrict__ x,    // [T, 2I], row stride x_stride
@@ -51,6 +89,95 @@ __global__ void silu_and_mul_vec_kernel(T* __restrict__ out,        // [T, I], r
   }
 }
 
+// ---- flat: the [T, I/8] vectors in memory order ---------------------------------------------------
+
+// n / d for n < 2^31 with a multiply and a shift (Granlund-Montgomery); the host computes m and s.
+struct FastDiv {
+  uint32_t d, m, s;
+  static FastDiv make(uint32_t d) {
+    uint32_t s = 0;
+    while ((uint64_t{1} << s) < d) ++s;
+    const uint64_t m = ((uint64_t{1} << 32) * ((uint64_t{1} << s) - d)) / d + 1;
+    return {d, static_cast<uint32_t>(m), s};
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
+// Two halves <-> two floats in one conversion instruction each way.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type from(float2 f) { return __float22half2_rn(f); }
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type from(float2 f) { return __float22bfloat162_rn(f); }
+};
+
+template <typename T>
+__device__ __forceinline__ Vec8<T> silu_mul8(const Vec8<T>& gate, const Vec8<T>& up) {
+  using P = Pair<T>;
+  const auto* g2 = reinterpret_cast<const typename P::type*>(gate.v);
+  const auto* u2 = reinterpret_cast<const typename P::type*>(up.v);
+  Vec8<T> r;
+  auto* r2 = reinterpret_cast<typename P::type*>(r.v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 g = P::to(g2[i]), u = P::to(u2[i]);
+    // silu(g) * u; __fdividef: the divisor is >= 1 (or inf, giving the right limit 0).
+    r2[i] = P::from(make_float2(__fdividef(g.x, 1.0f + __expf(-g.x)) * u.x,
+                                __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y));
+  }
+  return r;
+}
+
+// Vector v of the flat index space [0, T * I/8) is row v / (I/8), column vector v % (I/8). A CTA
+// owns blockDim.x * kVecs consecutive vectors (thread t: t, t + blockDim.x, ...), so CTAs that run
+// together stream one contiguous stretch of memory, whatever I is (no half-empty CTA at a row
+// end). The loop strides by the grid: once through for a full grid, many times for a persistent one.
+template <typename T, int kVecs, bool kPdl>
+__global__ void silu_and_mul_flat_kernel(T* __restrict__ out,      // [T, I], row stride out_stride
+                                         const T* __restrict__ x,  // [T, 2I], row stride x_stride
+                                         int64_t intermediate, int64_t out_stride,
+                                         int64_t x_stride, uint32_t total_vecs,
+                                         FastDiv vecs_per_row) {
+  if constexpr (kPdl) {
+    pdl_wait();  // x may be the previous kernel's output
+    pdl_launch_dependents();
+  }
+  const uint32_t step = gridDim.x * blockDim.x * kVecs;
+  for (uint32_t base = blockIdx.x * blockDim.x * kVecs + threadIdx.x; base < total_vecs;
+       base += step) {
+    Vec8<T> gate[kVecs], up[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {  // every load first: bytes in flight hide the latency
+      const uint32_t v = base + j * blockDim.x;
+      if (v < total_vecs) {
+        const uint32_t t = vecs_per_row.div(v);
+        const T* src = x + t * x_stride + static_cast<int64_t>(v - t * vecs_per_row.d) * 8;
+        gate[j] = load_vec8(src);
+        up[j] = load_vec8(src + intermediate);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const uint32_t v = base + j * blockDim.x;
+      if (v < total_vecs) {  // the row again (3 instructions) rather than 2 registers per vector
+        const uint32_t t = vecs_per_row.div(v);
+        store_vec8(out + t * out_stride + static_cast<int64_t>(v - t * vecs_per_row.d) * 8,
+                   silu_mul8(gate[j], up[j]));
+      }
+    }
+  }
+}
+
+// ---- scalar ----------------------------------------------------------------------------------------
+
 template <typename T>
 __global__ void silu_and_mul_scalar_kernel(T* __restrict__ out, const T* __restrict__ x,
                                            int64_t intermediate, int64_t out_stride,
@@ -65,6 +192,78 @@ __global__ void silu_and_mul_scalar_kernel(T* __restrict__ out, const T* __restr
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+template <typename T>
+cudaError_t launch_legacy(T* out, const T* x, int64_t num_tokens, int64_t intermediate,
+                          int64_t out_stride, int64_t x_stride, cudaStream_t stream) {
+  // The fewest threads (whole warps, <= 1024) that cover the row at kVecs vectors each; very wide
+  // rows get more blocks along y. Few tokens: 1 vector per thread, 128-thread blocks.
+  const int64_t nvec = intermediate / 8;
+  const bool large = num_tokens >= kSmallT;
+  const int vecs = large ? kVecs : 1;
+  const int threads =
+      large ? static_cast<int>(std::min<int64_t>(1024, ((nvec + vecs - 1) / vecs + 31) / 32 * 32)) : 128;
+  const unsigned chunks = static_cast<unsigned>((nvec + threads * vecs - 1) / (threads * vecs));
+  const dim3 grid(static_cast<unsigned>(num_tokens), chunks);
+  if (large) {
+    silu_and_mul_vec_kernel<T, kVecs><<<grid, threads, 0, stream>>>(out, x, intermediate,
+                                                                    out_stride, x_stride);
+  } else {
+    silu_and_mul_vec_kernel<T, 1><<<grid, threads, 0, stream>>>(out, x, intermediate, out_stride,
+                                                                x_stride);
+  }
+  return cudaGetLastError();
+}
+
+// Resident CTAs per SM of one flat kernel at `threads`, asked once per process (the persistent
+// variant sizes its grid by it; every device of a process is taken to be the same kind).
+template <typename T, int kVecs, bool kPdl>
+int flat_ctas_per_sm(int threads) {
+  static std::atomic<int> cached[1024 / 32 + 1];  // by threads / 32; 0 = not asked yet
+  std::atomic<int>& slot = cached[threads / 32];
+  int n = slot.load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, silu_and_mul_flat_kernel<T, kVecs, kPdl>,
+                                                    threads, 0) != cudaSuccess || n < 1) {
+    cudaGetLastError();  // clear it: the op's launch check must not report a failed query
+    n = 1;
+  }
+  slot.store(n, std::memory_order_relaxed);
+  return n;
+}
+
+template <typename T, int kVecs, bool kPdl>
+cudaError_t launch_flat(T* out, const T* x, int64_t num_tokens, int64_t intermediate,
+                        int64_t out_stride, int64_t x_stride, int threads, bool persistent,
+                        cudaStream_t stream) {
+  const int64_t nvec = intermediate / 8;
+  const uint32_t total = static_cast<uint32_t>(num_tokens * nvec);  // < 2^30, checked by the caller
+  const int64_t per_cta = static_cast<int64_t>(threads) * kVecs;
+  int64_t blocks = (total + per_cta - 1) / per_cta;
+  auto kernel = silu_and_mul_flat_kernel<T, kVecs, kPdl>;
+  if (persistent) {
+    const DeviceInfo dev = current_device_info();
+    if (dev.num_sms > 0)
+      blocks = std::min<int64_t>(blocks, int64_t{dev.num_sms} * flat_ctas_per_sm<T, kVecs, kPdl>(threads));
+  }
+  const FastDiv div = FastDiv::make(static_cast<uint32_t>(nvec));
+  if (kPdl) {
+    return launch_ex(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), stream, true, 1,
+                     out, x, intermediate, out_stride, x_stride, total, div);
+  }
+  kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(out, x, intermediate, out_stride,
+                                                                 x_stride, total, div);
+  return cudaGetLastError();
+}
+
+// auto at few tokens: one vector per thread, and CTAs small enough that the launch spreads over
+// about two CTAs per SM (a lone row of I = 12288 is 1536 vectors: 48 CTAs of 32 threads rather
+// than 12 of 128, so no single SM streams a large share of it).
+int small_t_threads(int64_t total_vecs) {
+  if (total_vecs >= int64_t{128} * 264) return 128;
+  if (total_vecs >= int64_t{64} * 132) return 64;
+  return 32;
+}
+
 }  // namespace
 
 cudaError_t silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t intermediate,
@@ -72,36 +271,64 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t i
   if (num_tokens == 0 || intermediate == 0) return cudaSuccess;
   const bool vec = intermediate % 8 == 0 && out_stride % 8 == 0 && x_stride % 8 == 0 &&
                    aligned16(out) && aligned16(x);
-  // Vector path: the fewest threads (whole warps, <= 1024) that cover the row at kVecs vectors
-  // each; very wide rows get more blocks along y.
-  const int64_t nvec = intermediate / 8;
-  int threads = kThreads;
-  unsigned chunks = static_cast<unsigned>(std::min<int64_t>((intermediate + kThreads - 1) / kThreads, 65535));
-  if (vec) {
-    // Few tokens: latency bound, so spread each row over many small blocks (1 vector per thread)
-    // instead of a few deep ones; many tokens: deep threads keep more bytes in flight.
-    const int vecs = num_tokens >= kSmallT ? kVecs : 1;
-    threads = num_tokens >= kSmallT
-                  ? static_cast<int>(std::min<int64_t>(1024, ((nvec + vecs - 1) / vecs + 31) / 32 * 32))
-                  : 128;
-    chunks = static_cast<unsigned>((nvec + threads * vecs - 1) / (threads * vecs));
-  }
-  const dim3 grid(static_cast<unsigned>(num_tokens), chunks);
-  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    if (vec) {
-      if (num_tokens >= kSmallT) {
-        silu_and_mul_vec_kernel<T, kVecs><<<grid, threads, 0, stream>>>(
-            static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
-      } else {
-        silu_and_mul_vec_kernel<T, 1><<<grid, threads, 0, stream>>>(
-            static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
-      }
-    } else {
+  if (!vec) {
+    const unsigned chunks =
+        static_cast<unsigned>(std::min<int64_t>((intermediate + kThreads - 1) / kThreads, 65535));
+    const dim3 grid(static_cast<unsigned>(num_tokens), chunks);
+    return QWEN3_DISPATCH_HALF(dtype, T, [&] {
       silu_and_mul_scalar_kernel<T><<<grid, kThreads, 0, stream>>>(
           static_cast<T*>(out), static_cast<const T*>(x), intermediate, out_stride, x_stride);
+      return cudaGetLastError();
+    });
+  }
+  int variant = knob().get();
+  const int64_t total_vecs = num_tokens * (intermediate / 8);
+  if (total_vecs >= (int64_t{1} << 30)) variant = kLegacy;  // the flat index is 32-bit
+  bool pdl = false;
+  if (variant == kAutoPdl) {
+    pdl = current_device_info().cc_major >= 9;
+    variant = kAuto;
+  }
+  const bool large = num_tokens >= kSmallT;
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    T* o = static_cast<T*>(out);
+    const T* xi = static_cast<const T*>(x);
+    auto flat = [&](auto vecs, int threads, bool persistent) {
+      constexpr int V = decltype(vecs)::value;
+      return pdl ? launch_flat<T, V, true>(o, xi, num_tokens, intermediate, out_stride, x_stride,
+                                           threads, persistent, stream)
+                 : launch_flat<T, V, false>(o, xi, num_tokens, intermediate, out_stride, x_stride,
+                                            threads, persistent, stream);
+    };
+    using One = std::integral_constant<int, 1>;
+    using Two = std::integral_constant<int, 2>;
+    using Four = std::integral_constant<int, 4>;
+    switch (variant) {
+      case kLegacy:
+        return launch_legacy(o, xi, num_tokens, intermediate, out_stride, x_stride, stream);
+      case kFlat128x1: return flat(One{}, 128, false);
+      case kFlat128x2: return flat(Two{}, 128, false);
+      case kFlat256x2: return flat(Two{}, 256, false);
+      case kFlat128x4:
+        return launch_flat<T, 4, false>(o, xi, num_tokens, intermediate, out_stride, x_stride, 128,
+                                        false, stream);
+      case kFlat64x1: return flat(One{}, 64, false);
+      case kFlat32x1: return flat(One{}, 32, false);
+      case kPersist256x2: return flat(Two{}, 256, true);
+      default:  // kAuto
+        return large ? flat(Two{}, 128, false) : flat(One{}, small_t_threads(total_vecs), false);
     }
-    return cudaGetLastError();
   });
 }
 
 }  // namespace qwen3_kernels
+
+// ---- tuning hooks (C ABI, for qwen3_kernels/elementwise_tuning.py) --------------------------------
+
+// Selects the launch variant of the following silu_and_mul calls; returns the previous index, or
+// -1 (nothing changed) when v is out of range.
+QWEN3_TUNING_EXPORT int qwen3_silu_set_variant(int v) { return qwen3_kernels::knob().set(v); }
+QWEN3_TUNING_EXPORT int qwen3_silu_get_variant() { return qwen3_kernels::knob().get(); }
+QWEN3_TUNING_EXPORT int qwen3_silu_num_variants() { return qwen3_kernels::kNumVariants; }
+// The variant's name, or nullptr out of range.
+QWEN3_TUNING_EXPORT const char* qwen3_silu_variant_name(int v) { return qwen3_kernels::knob().name(v); }

@@ -1,0 +1,128 @@
+// Host and device helpers for kernels with run-time selectable launch variants (activation.cu,
+// norm.cu): a process-wide variant knob (set from the environment once, flipped by a benchmark
+// through a C hook), cached device properties, cudaLaunchKernelEx with PDL / cluster attributes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace qwen3_kernels {
+
+// ---- device --------------------------------------------------------------------------------------
+
+// Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may be scheduled
+// while its predecessor still runs; pdl_wait() blocks until that predecessor has finished and its
+// writes are visible, so nothing that reads or writes tensor memory may come before it. Both are
+// no-ops without PDL and compile to nothing for sm_80.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
+// ---- host ----------------------------------------------------------------------------------------
+
+// One op's launch variant: an index into the op's name table, initialised from the environment
+// variable on first use (a name or an index; anything else means 0 = the default), then changed
+// only through set(). Read once per launch: one relaxed atomic load, no getenv.
+template <int kCount>
+class VariantKnob {
+ public:
+  VariantKnob(const char* env, const char* const (&names)[kCount]) : env_(env), names_(names) {}
+
+  int get() {
+    int v = value_.load(std::memory_order_relaxed);
+    if (v >= 0) return v;
+    v = parse(std::getenv(env_));
+    value_.store(v < 0 ? 0 : v, std::memory_order_relaxed);
+    return value_.load(std::memory_order_relaxed);
+  }
+  // Returns the previous value, or -1 (nothing changed) when v is out of range.
+  int set(int v) {
+    if (v < 0 || v >= kCount) return -1;
+    const int old = get();
+    value_.store(v, std::memory_order_relaxed);
+    return old;
+  }
+  const char* name(int v) const { return v >= 0 && v < kCount ? names_[v] : nullptr; }
+
+ private:
+  int parse(const char* s) const {
+    if (s == nullptr || *s == '\0') return 0;
+    for (int i = 0; i < kCount; ++i)
+      if (std::strcmp(s, names_[i]) == 0) return i;
+    char* end = nullptr;
+    const long v = std::strtol(s, &end, 10);
+    return end != s && *end == '\0' && v >= 0 && v < kCount ? static_cast<int>(v) : 0;
+  }
+
+  const char* env_;
+  const char* const* names_;
+  std::atomic<int> value_{-1};
+};
+
+// Compute capability major and SM count of the current device, queried once per device (a launch
+// must not ask the driver each time). 0 when the query fails: callers then take the plain path.
+struct DeviceInfo {
+  int cc_major = 0;
+  int num_sms = 0;
+};
+
+inline DeviceInfo current_device_info() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cc[kMaxDevices], sms[kMaxDevices];  // 0 = not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return {};
+  DeviceInfo info{cc[dev].load(std::memory_order_relaxed), sms[dev].load(std::memory_order_relaxed)};
+  if (info.cc_major > 0 && info.num_sms > 0) return info;
+  if (cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the op's launch check must not report a failed query
+    return {};
+  }
+  cc[dev].store(info.cc_major, std::memory_order_relaxed);
+  sms[dev].store(info.num_sms, std::memory_order_relaxed);
+  return info;
+}
+
+// cudaLaunchKernelEx with the PDL attribute (pdl) and/or a 1-D cluster of `cluster` CTAs (> 1).
+// The caller checks that the device has them (sm_90+).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                      bool pdl, int cluster, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  unsigned n = 0;
+  if (pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  config.attrs = attrs;
+  config.numAttrs = n;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+}
+
+}  // namespace qwen3_kernels
+
+// C hooks that a benchmark or test finds with ctypes in the loaded extension; not the op surface.
+#define QWEN3_TUNING_EXPORT extern "C" __attribute__((visibility("default")))

@@ -9,9 +9,10 @@ Every cache slot the sequences do not own is NaN, and block-table entries past a
 block point at a NaN block, so a kernel that reads a key it must not see fails loudly. Outputs are
 NaN-poisoned before the call, so every element must be written.
 
-On Hopper the op runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 selects the
-portable mma.sync kernel (prefill.cu), QWEN3_PREFILL_VARIANT=ws|ws3|ws_nopp the warp-specialised
-one (prefill_sm90_ws.cu). The `kernel_path` fixture runs each test on every path.
+On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu, no ping-pong);
+QWEN3_PREFILL_NO_WGMMA=1 selects the portable mma.sync kernel (prefill.cu),
+QWEN3_PREFILL_VARIANT=sm90 the single-role wgmma kernel (prefill_sm90.cu), ws|ws3 the
+warp-specialised one with ping-pong. The `kernel_path` fixture runs each test on every path.
 """
 from __future__ import annotations
 
@@ -169,11 +170,12 @@ def check_against_reference(case, ours):
             f"sequence {b} (Lq={lq}, Lk={lk}): error {ours_err:.3e} > 2 x torch's {torch_err:.3e}")
 
 
-# auto: whatever the device picks (wgmma on sm_90); mma_sync: the portable kernel; ws, ws3,
-# ws_nopp: the warp-specialised wgmma kernel (prefill_sm90_ws.cu: 2-stage ring with ping-pong,
-# 3 stages, no ping-pong), chosen by QWEN3_PREFILL_VARIANT, which the launcher reads per call.
-# Off Hopper the ws variants run the default kernel.
-KERNEL_PATHS = ["auto", "mma_sync", "ws", "ws3", "ws_nopp"]
+# auto: whatever the device picks (on sm_90 the warp-specialised kernel without ping-pong,
+# prefill_sm90_ws.cu); mma_sync: the portable kernel; sm90: the single-role wgmma kernel
+# (prefill_sm90.cu); ws, ws3: the warp-specialised kernel with ping-pong (2 / 3 stages); chosen by
+# QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync run the
+# default kernel.
+KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws3"]
 
 
 @pytest.fixture(params=KERNEL_PATHS)
@@ -182,7 +184,7 @@ def kernel_path(request, monkeypatch):
         monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
     else:
         monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
-    if request.param.startswith("ws"):
+    if request.param in ("sm90", "ws", "ws3"):
         monkeypatch.setenv("QWEN3_PREFILL_VARIANT", request.param)
     else:
         monkeypatch.delenv("QWEN3_PREFILL_VARIANT", raising=False)

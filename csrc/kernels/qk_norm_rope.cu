@@ -890,8 +890,11 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   // Large batches are bandwidth bound, small ones latency bound (see the item kernel's ITEMS).
   const bool many = num_tokens * num_heads >= (int64_t{1} << 16);
 
+  // The default from the H200 sweep of 2026-11-30 (bench_qk_norm_rope.py, 32/8 heads): at
+  // T=16384 token 105.4 us (3.90 TB/s) vs item 112.8, pipe 116.4, bulk 113.9; at T <= 256 item
+  // (1.8-4.0 us) beats every token-major kernel (2.6-5.3 us).
   Variant v = variant_from_env();
-  if (v == Variant::kAuto) v = many ? Variant::kPipe : Variant::kItem;
+  if (v == Variant::kAuto) v = many ? Variant::kToken : Variant::kItem;
   // Fall back where a variant does not apply: bulk needs sm_90 and its stages in shared memory
   // (227 KB); the token-major kernels need their groups in one CTA of <= 256 threads.
   if (v == Variant::kBulk || v == Variant::kBulk2 || v == Variant::kBulk8) {

@@ -523,10 +523,17 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // ---- tuning state -------------------------------------------------------------------------------
 
+// The default, from the H200 sweep of 2026-11-30 (benchmarks/RESULTS.md, BENCH_DECODE_SWEEP=1):
+// w8s3 with interleaved splits, the one-round-trip combine and PDL was best or within 1% of best
+// at B=16 ctx 2k (36.7 us, 0.94x cuDNN; w4s3: 37.9 us) and B=1 ctx 32k (37.2 us, 1.04x cuDNN;
+// w4s3: 39.6 us). On a GPU without 192 KB of shared memory per CTA it falls back to w4s3.
+constexpr int kDefaultVariant = 4;  // w8s3
+constexpr int kDefaultFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
+
 struct Tuning {
-  std::atomic<int> splits{0};   // 0 = choose_num_splits
-  std::atomic<int> variant{0};  // index into kVariants
-  std::atomic<int> flags{0};    // kFlag* bits
+  std::atomic<int> splits{0};                 // 0 = choose_num_splits
+  std::atomic<int> variant{kDefaultVariant};  // index into kVariants
+  std::atomic<int> flags{kDefaultFlags};      // kFlag* bits
   std::atomic<int> last_splits{0};
 };
 
@@ -687,6 +694,21 @@ template <typename T>
 cudaError_t launch_variant(int variant, DecodeParams p, int batch, int max_ctx, int num_sms,
                            int forced_splits, int flags, cudaStream_t stream) {
   const int f = forced_splits;
+  // A shape whose shared memory the device cannot give one CTA (A100: 163 KB) runs as w4s3.
+  static int optin_smem[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && dev < kMaxDevices) {
+    if (optin_smem[dev] == 0 &&
+        cudaDeviceGetAttribute(&optin_smem[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess)
+      optin_smem[dev] = -1;
+    const int need = variant == 1   ? Shape<4, 2>::kSmemBytes
+                     : variant == 2 ? Shape<4, 4>::kSmemBytes
+                     : variant == 3 ? Shape<4, 6>::kSmemBytes
+                     : variant == 4 ? Shape<8, 3>::kSmemBytes
+                                    : 0;
+    if (optin_smem[dev] > 0 && need > optin_smem[dev]) variant = 0;
+  }
   switch (variant) {
     case 1: return launch<T, Shape<4, 2>>(p, batch, max_ctx, num_sms, f, flags, stream);
     case 2: return launch<T, Shape<4, 4>>(p, batch, max_ctx, num_sms, f, flags, stream);

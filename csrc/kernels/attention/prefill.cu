@@ -356,13 +356,17 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.scale_log2 = scale * 1.4426950408889634f;
   // Hopper runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 forces this file's
   // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
-  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp picks the warp-specialised wgmma kernel
-  // (prefill_sm90_ws.cu) until measurements make it the default; anything else: the default.
+  // The default is the warp-specialised kernel without ping-pong (prefill_sm90_ws.cu): on the
+  // H200 (2026-11-30, bench_attention_prefill.py) it took 0.92-0.96x the time of the single-role
+  // wgmma kernel on every case, and ws / ws3 (with ping-pong) 1.00-1.07x.
+  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp | sm90 picks one; anything else: the default.
   // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
   if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
       prefill::sm90_available()) {
     const char* variant = std::getenv("QWEN3_PREFILL_VARIANT");
+    if (variant != nullptr && std::strcmp(variant, "sm90") == 0)
+      return prefill::launch_sm90(p, batch, max_seqlen_q, dtype, stream);
     if (variant != nullptr) {
       if (std::strcmp(variant, "ws") == 0)
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
@@ -374,7 +378,8 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                        prefill::WsVariant::kNoPingpong, stream);
     }
-    return prefill::launch_sm90(p, batch, max_seqlen_q, dtype, stream);
+    return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, prefill::WsVariant::kNoPingpong,
+                                   stream);
   }
   return QWEN3_DISPATCH_HALF(dtype, T,
                              [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });

@@ -5,6 +5,10 @@ their prefixes are equal). A full block whose K/V have been computed gets a hash
 whole prefix: hash(hash of the previous block, this block's tokens). A new sequence whose first
 blocks hash the same reuses them instead of recomputing.
 
+Every sequence holding blocks also owns a row of ``tables`` (int32 [rows, max_blocks_per_seq]), a
+copy of its ``block_table`` kept up to date as blocks are appended, so that the model runner
+gathers a step's block tables with one numpy ``take`` instead of padding Python lists every step.
+
 Freed blocks keep their hash and content until they are handed out again, so a later request (or a
 preempted sequence coming back) can still hit them; the free list is ordered so that blocks with
 nothing worth keeping go first, then the least recently freed.
@@ -13,6 +17,8 @@ nothing worth keeping go first, then the least recently freed.
 from __future__ import annotations
 
 from collections import OrderedDict
+
+import numpy as np
 
 from qwen3_model.engine.sequence import Sequence
 
@@ -36,13 +42,20 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_blocks_per_seq: int = 16, max_seqs: int = 16):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got "
                              f"{num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # the block-table mirror: row r is the table of the sequence whose table_row is r,
+        # padded with 0 (a valid block id: entries past a sequence's length are never read, but a
+        # valid index keeps a stray read in bounds). Grows if a sequence or the batch outgrows it.
+        self.tables = np.zeros((max(1, max_seqs), max(1, max_blocks_per_seq)), dtype=np.int32)
+        self._free_rows = list(range(self.tables.shape[0] - 1, -1, -1))  # popped from the end
+        self._row_seq: list[Sequence | None] = [None] * self.tables.shape[0]  # (for the checks)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         # ref_count == 0 blocks; popped from the front. OrderedDict: O(1) removal on a cache hit.
@@ -105,6 +118,9 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(hit_ids)
         seq.block_hashes = list(hit_hashes)
+        seq.table_row = self._take_row()
+        self._row_seq[seq.table_row] = seq
+        self._write_row(seq, 0)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit_ids) * self.block_size
         self.num_hit_blocks += len(hit_ids)
         if self.enable_prefix_caching:
@@ -121,8 +137,11 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free):
             raise RuntimeError(f"out of KV blocks: {seq} needs {need}, {len(self.free)} free")
-        for _ in range(need):
-            seq.block_table.append(self._take_fresh())
+        if need:
+            start = len(seq.block_table)
+            for _ in range(need):
+                seq.block_table.append(self._take_fresh())
+            self._write_row(seq, start)
 
     def _take_fresh(self) -> int:
         bid, _ = self.free.popitem(last=False)
@@ -145,9 +164,35 @@ class BlockManager:
                 self.free[bid] = None
                 if block.hash is None:  # nothing reusable in it: hand it out first
                     self.free.move_to_end(bid, last=False)
+        if seq.table_row >= 0:
+            self.tables[seq.table_row, : len(seq.block_table)] = 0
+            self._free_rows.append(seq.table_row)
+            self._row_seq[seq.table_row] = None
+            seq.table_row = -1
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0  # (num_cached_tokens stays: the last admission's hit, for stats)
+
+    # ---- the block-table mirror --------------------------------------------------------------
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # more sequences hold blocks than rows: double the rows
+            old = self.tables.shape[0]
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+            self._row_seq += [None] * old
+        return self._free_rows.pop()
+
+    def _write_row(self, seq: Sequence, start: int) -> None:
+        """Copy ``seq.block_table[start:]`` into its row (after an admission or a growth)."""
+        end = len(seq.block_table)
+        if end > self.tables.shape[1]:  # longer than max_blocks_per_seq said: widen
+            wider = np.zeros((self.tables.shape[0], max(end, 2 * self.tables.shape[1])),
+                             dtype=np.int32)
+            wider[:, : self.tables.shape[1]] = self.tables
+            self.tables = wider
+        if end > start:
+            self.tables[seq.table_row, start:end] = seq.block_table[start:end]
 
     # ---- prefix cache registration -----------------------------------------------------------
 
@@ -179,3 +224,14 @@ class BlockManager:
             assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id}"
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].hash == h
+        free_rows = set(self._free_rows)
+        assert len(free_rows) == len(self._free_rows)
+        for r, seq in enumerate(self._row_seq):
+            row = self.tables[r]
+            if seq is None:
+                assert r in free_rows and not row.any(), f"free table row {r} not cleared"
+            else:
+                n = len(seq.block_table)
+                assert r not in free_rows and seq.table_row == r
+                assert row[:n].tolist() == seq.block_table and not row[n:].any(), (
+                    f"table row {r} {row.tolist()} does not mirror {seq}")

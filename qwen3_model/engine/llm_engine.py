@@ -224,9 +224,7 @@ class LLMEngine:
         """One scheduled forward. -> (sequences that got a token, prefill tokens, decode tokens)."""
         if self._stopped is not None:
             raise RuntimeError(f"LLM: {self._stopped}; make a new LLM to generate again")
-        batch = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError("the scheduler made an empty step with requests pending")
+        batch = self._schedule()
         if not self._workers:
             tokens = self.model_runner.run(batch)
         else:
@@ -239,6 +237,66 @@ class LLMEngine:
                 raise
         got = self.scheduler.postprocess(batch, tokens)
         return got, batch.num_prefill_tokens, len(batch.decodes)
+
+    def _schedule(self):
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler made an empty step with requests pending")
+        return batch
+
+    def _overlap(self) -> bool:
+        """Whether generate / stream overlap the host's work with the device's (see _steps)."""
+        return (self.config.tensor_parallel_size == 1
+                and os.environ.get("QWEN3_OVERLAP_STEPS", "1") != "0")
+
+    def _steps(self) -> Iterator[tuple[list[Sequence], list[Sequence], int, int]]:
+        """Run steps until every request is done; yields per step, in order, the sequences
+        that got a token, those of them that finished, and the prefill and decode tokens.
+
+        Overlapped (one process, QWEN3_OVERLAP_STEPS unset or 1): while the device runs step k,
+        the host schedules and launches step k + 1, then reads step k's tokens. That is valid
+        when no sequence step k samples can be ended by a token's value (a stop id, EOS, a stop
+        string; e.g. ignore_eos without stop ids): the scheduler then advances with
+        placeholder tokens (``Scheduler.advance``), the runner feeds step k's sampled tokens to
+        step k + 1 on the device, and the values are filled in when read. The schedule, the
+        tokens and the outputs are those of the step-by-step loop; a step whose tokens can end a
+        sequence is waited for before anything else is scheduled.
+        """
+        sched, runner = self.scheduler, self.model_runner
+        if not self._overlap():
+            while not self.is_finished():
+                got, n_prefill, n_decode = self.step()
+                yield got, sched.last_finished, n_prefill, n_decode
+            return
+        if self._stopped is not None:
+            raise RuntimeError(f"LLM: {self._stopped}; make a new LLM to generate again")
+        inflight = None  # (batch, pending tokens, sequences with placeholders, finished) of step k
+        try:
+            while True:
+                launched = None
+                if not sched.is_finished():
+                    batch = self._schedule()
+                    launched = (batch, runner.launch(batch))
+                if inflight is not None:  # step k: read its tokens (k + 1 is queued behind it)
+                    batch_k, pending_k, got_k, finished_k = inflight
+                    inflight = None
+                    sched.fill(got_k, runner.wait(pending_k))
+                    yield got_k, finished_k, batch_k.num_prefill_tokens, len(batch_k.decodes)
+                if launched is None:
+                    return
+                batch, pending = launched
+                if sched.needs_tokens(pending.sample_seqs):
+                    got = sched.postprocess(batch, runner.wait(pending))
+                    yield got, sched.last_finished, batch.num_prefill_tokens, len(batch.decodes)
+                else:
+                    got = sched.advance(batch)
+                    inflight = (batch, pending, got, sched.last_finished)
+        finally:
+            if inflight is not None:  # stopped early: still give the sequences their tokens
+                try:
+                    sched.fill(inflight[2], runner.wait(inflight[1]))
+                except Exception:  # noqa: BLE001 - already failing; the first error matters
+                    pass
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -296,14 +354,16 @@ class LLMEngine:
 
             pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True)
         last_shown, pre_tps, dec_tps = 0.0, 0.0, 0.0
+        # Without streamed text, only stop strings need the text before the end; without them
+        # too, a step's work here is its finished sequences, not every one that got a token.
+        every_seq = want_text or any(sp.stop for _, sp in requests)
         try:
-            while not self.is_finished():
-                t0 = time.perf_counter()
-                got, n_prefill, n_decode = self.step()
-                dt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for got, finished, n_prefill, n_decode in self._steps():
+                t1 = time.perf_counter()
+                dt, t0 = t1 - t0, t1
                 out = []
-                for seq in got:
-                    # Without streamed text, only stop strings need the text before the end.
+                for seq in (got if every_seq else finished):
                     if want_text or seq.params.stop or seq.is_finished:
                         state = states[seq.seq_id]
                         self._detok_step(seq, state, want_text)
@@ -317,10 +377,11 @@ class LLMEngine:
                         pre_tps = 0.7 * pre_tps + 0.3 * n_prefill / dt if pre_tps else n_prefill / dt
                     if n_decode:
                         dec_tps = 0.7 * dec_tps + 0.3 * n_decode / dt if dec_tps else n_decode / dt
-                    pbar.update(sum(1 for s in got if s.is_finished))
-                    if t0 - last_shown > 0.2:
+                    pbar.update(sum(1 for s in got if s.is_finished) if every_seq
+                                else len(finished))
+                    if t1 - last_shown > 0.2:
                         pbar.set_postfix_str(f"prefill {pre_tps:,.0f} tok/s, decode {dec_tps:,.0f} tok/s")
-                        last_shown = t0
+                        last_shown = t1
         finally:
             self.scheduler.abort_all()  # no-op when everything finished
             if pbar is not None:

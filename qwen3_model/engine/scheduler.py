@@ -14,7 +14,10 @@ later (its full blocks usually survive in the prefix cache, so that is often che
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain, repeat
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from qwen3_model.engine.block_manager import BlockManager
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -30,6 +33,12 @@ class ScheduledBatch:
 
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
     decodes: list[Sequence] = field(default_factory=list)
+    # the block manager's table mirror (row ``seq.table_row`` = ``seq.block_table``, 0-padded);
+    # None: the runner builds the tables from the lists
+    block_tables: np.ndarray | None = None
+    # decodes whose one token is not their last (a prompt chunk cut to one token by the budget):
+    # their row is not sampled. None: not counted (the runner checks every decode)
+    num_partial_decodes: int | None = None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -63,7 +72,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          max_blocks_per_seq=-(-max_model_len // block_size),
+                                          max_seqs=max_num_seqs)
         # Admission keeps ~1% of the pool free so that running decodes can grow a block without
         # immediately preempting the sequence just admitted (vLLM's watermark).
         self.reserve_blocks = num_blocks // 100
@@ -74,10 +85,17 @@ class Scheduler:
         self.num_partial_prefills = 0  # chunks that stopped short of the end of the prompt
         self.num_prefix_hit_tokens = 0
         self.num_steps = 0
+        # the sequences the last postprocess finished, in batch order (the engine reads them
+        # instead of scanning every sequence that got a token)
+        self.last_finished: list[Sequence] = []
 
     # ---- queue ---------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        p = seq.params
+        seq.max_num_tokens = min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
+        seq.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
+        seq.needs_tokens = bool(seq.stop_ids or p.stop)  # stop strings: the engine ends it
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -101,54 +119,67 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+        batch = ScheduledBatch()
+        prefills, decodes = batch.prefills, batch.decodes
         preempted = False
 
         slots_per_block = bm.block_size
+        running = self.running
+        partial_decodes = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            need_tokens = seq.num_computed_tokens + n
-            if len(seq.block_table) * slots_per_block < need_tokens:  # (rare: a block boundary)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            left = len(seq.token_ids) - computed
+            n = left if left <= budget else budget
+            if len(seq.block_table) * slots_per_block < computed + n:  # (rare: a block boundary)
                 # Victims come from the back, which this loop has not reached yet (or is ``seq``).
-                while not bm.can_grow(seq, need_tokens):
-                    victim = self.running[-1]
+                while not bm.can_grow(seq, computed + n):
+                    victim = running[-1]
                     self._preempt(victim)
                     preempted = True
                     if victim is seq:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     break
-                bm.grow(seq, need_tokens)
-            scheduled.append((seq, n))
+                bm.grow(seq, computed + n)
+            if n == 1:
+                decodes.append(seq)
+                if left > 1:
+                    partial_decodes += 1
+            else:
+                prefills.append((seq, n))
+            if n < left:
+                self.num_partial_prefills += 1
             budget -= n
             i += 1
 
         # Admitting right after a preemption would just take back the blocks we freed.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit_ids, hit_hashes = bm.match_prefix(seq)
-            reserve = self.reserve_blocks if self.running else 0
+            reserve = self.reserve_blocks if running else 0
             if not bm.can_admit(seq, hit_ids, reserve):
                 break
             self.waiting.popleft()
             bm.admit(seq, hit_ids, hit_hashes)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            scheduled.append((seq, n))
+            running.append(seq)
+            left = seq.num_uncomputed_tokens
+            n = min(left, budget)
+            if n == 1:
+                decodes.append(seq)
+                if left > 1:
+                    partial_decodes += 1
+            else:
+                prefills.append((seq, n))
+            if n < left:
+                self.num_partial_prefills += 1
             budget -= n
 
-        batch = ScheduledBatch()
-        for seq, n in scheduled:
-            if n == 1:
-                batch.decodes.append(seq)
-            else:
-                batch.prefills.append((seq, n))
-            if seq.num_computed_tokens + n < len(seq.token_ids):
-                self.num_partial_prefills += 1
+        batch.block_tables = bm.tables
+        batch.num_partial_decodes = partial_decodes
         if batch:
             self.num_steps += 1
         return batch
@@ -167,25 +198,68 @@ class Scheduler:
         """Advance the computed counts, append the sampled tokens, finish what must finish.
 
         ``sampled`` holds one token per sequence whose chunk reached its last token, in batch
-        order (exactly the rows the runner sampled). Returns the sequences that got a token.
+        order (exactly the rows the runner sampled). Returns the sequences that got a token;
+        ``last_finished`` the ones of them that finished.
         """
+        return self._postprocess(batch, sampled)
+
+    @staticmethod
+    def needs_tokens(seqs: list[Sequence]) -> bool:
+        """Whether the value of a token sampled for one of ``seqs`` can end it (a stop id, EOS,
+        a stop string), so that what runs next depends on it (see ``advance``)."""
+        return any([s.needs_tokens for s in seqs])  # (a list: faster than a generator)
+
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """``postprocess`` before the step's tokens are read back: valid when none of the
+        sampled sequences ``needs_tokens``, since then only token counts decide what happens
+        next (finishing at a length, blocks, the next schedule), never token values.
+
+        Each sampled sequence gets a placeholder ``-1 - k`` (k: its row among the step's
+        sampled tokens), which the model runner turns into that token on the device when the
+        next step takes it as input; ``fill`` writes the values once they are read back.
+        """
+        return self._postprocess(batch, None)
+
+    @staticmethod
+    def fill(got: list[Sequence], sampled: list[int]) -> None:
+        """The read-back tokens of a step run through ``advance`` (``got``: what it returned).
+
+        Each placeholder is still its sequence's last token: the next ``advance`` (the only
+        thing that appends) runs after this.
+        """
+        assert len(got) == len(sampled), "one token per sequence that got a placeholder"
+        for seq, token in zip(got, sampled):
+            seq.token_ids[-1] = token
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[int] | None) -> list[Sequence]:
         bm = self.block_manager
         caching, bs = bm.enable_prefix_caching, bm.block_size
         got_token = []
-        it = iter(sampled)
-        for seq, n in batch.items():
-            seq.num_computed_tokens += n
-            if caching and seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * bs:
+        finished = self.last_finished = []
+        it = iter(sampled) if sampled is not None else None
+        # (the loop runs once per sequence per step: plain locals, the rare cases in calls)
+        for seq, n in chain(batch.prefills, zip(batch.decodes, repeat(1))):
+            computed = seq.num_computed_tokens + n
+            seq.num_computed_tokens = computed
+            if caching and computed >= (len(seq.block_hashes) + 1) * bs:
                 bm.cache_full_blocks(seq)  # a block just became full
-            if seq.num_computed_tokens < len(seq.token_ids):
+            tokens = seq.token_ids
+            if computed < len(tokens):
                 continue  # a chunk short of the end: nothing to sample yet
-            token = next(it)
-            seq.append_token(token)
+            token = next(it) if it is not None else -1 - len(got_token)
+            tokens.append(token)
             got_token.append(seq)
-            reason, stop_reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason, stop_reason)
-        assert next(it, None) is None, "more sampled tokens than sequences that needed one"
+            # the full check only when it can end: at its length limit or on a stop / EOS id
+            # (a placeholder is never one: advance is only used when no token can end it)
+            if len(tokens) >= seq.max_num_tokens or token in seq.stop_ids:
+                reason, stop_reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self._end(seq, reason, stop_reason)
+                    finished.append(seq)
+        if it is not None:
+            assert next(it, None) is None, "more sampled tokens than sequences that needed one"
+        if finished:  # one pass, not a list.remove per finished sequence
+            self.running[:] = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return got_token
 
     def _finish_reason(self, seq: Sequence, token: int):
@@ -207,9 +281,13 @@ class Scheduler:
         """End ``seq`` (also used by the engine when a stop string appears)."""
         if seq.status == SequenceStatus.FINISHED:
             return
+        if seq in self.running:
+            self.running.remove(seq)
+        self._end(seq, reason, stop_reason)
+
+    def _end(self, seq: Sequence, reason: str, stop_reason) -> None:
+        """Mark ``seq`` finished and free its blocks (the caller takes it out of ``running``)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        if seq in self.running:
-            self.running.remove(seq)
         self.block_manager.free_seq(seq)

@@ -25,6 +25,10 @@ class Sequence:
     """
 
     _ids = count()
+    __slots__ = ("seq_id", "index", "status", "token_ids", "num_prompt_tokens",
+                 "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
+                 "table_row", "params", "max_num_tokens", "stop_ids", "needs_tokens",
+                 "finish_reason", "stop_reason", "num_preemptions")
 
     def __init__(self, token_ids: list[int], params: SamplingParams, index: int = 0):
         self.seq_id = next(Sequence._ids)
@@ -36,7 +40,18 @@ class Sequence:
         self.num_cached_tokens = 0  # of the computed ones, how many came from the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full, computed blocks we own
+        # the row of BlockManager.tables mirroring block_table (-1: holds no blocks), so that
+        # the model runner gathers a step's block tables with one numpy take, not list padding
+        self.table_row = -1
         self.params = params
+        # set by Scheduler.add: the length at which it ends ("length"), and the token ids that
+        # may end it ("stop": stop ids, EOS unless ignore_eos) - so that postprocess checks two
+        # cheap conditions per token and calls the full check only when one holds
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
+        # whether a sampled token's value (not just its count) can end it: then the scheduling
+        # after a step that samples it must wait for the token (see Scheduler.advance)
+        self.needs_tokens = True
         self.finish_reason: str | None = None  # "stop" or "length"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0

@@ -48,11 +48,28 @@ def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(u)
 
 
+_SCALARS: dict[tuple[str, float], torch.Tensor] = {}
+
+
+def _device_scalar(value: float, device) -> torch.Tensor:
+    """A 0-dim fp32 tensor holding ``value`` on ``device``, made once per value and device."""
+    key = (str(device), value)
+    t = _SCALARS.get(key)
+    if t is None:
+        if len(_SCALARS) >= 256:
+            _SCALARS.clear()
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of that mode
+            t = _SCALARS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return t
+
+
 @dataclass
 class SamplingBatch:
     """The sampling settings of the rows of one step's logits, as device tensors plus host flags."""
 
-    temperatures: torch.Tensor | None  # [N] fp32, greedy rows set to 1 (unused there)
+    # [N] fp32, greedy rows set to 1 (unused there); or a 0-dim fp32 tensor when every row has
+    # the same temperature (the common case: cached on the device, no copy per step)
+    temperatures: torch.Tensor | None
     greedy_mask: torch.Tensor | None  # [N] bool, None when no row is greedy
     top_k: torch.Tensor | None  # [N] int64 in [1, V], None when no row filters by k
     top_p: torch.Tensor | None  # [N] fp32, None when no row filters by p
@@ -66,49 +83,64 @@ class SamplingBatch:
     @staticmethod
     def build(
         params: list[SamplingParams],
-        positions: list[int],
-        banned: list,
+        positions: list[int] | None,
+        banned: list | None,
         vocab_size: int,
         device: torch.device | str,
     ) -> "SamplingBatch":
-        """params / positions (output index of the token to sample) / banned ids, one per row."""
+        """params / positions (output index of the token to sample; needed for seeded rows) /
+        banned ids, one per row (None: no row bans any id).
+
+        Host cost matters here (it runs every step over every sampled row): one pass over the
+        params per setting, and a tensor (one copy to the device) only for a setting some row
+        actually uses.
+        """
         pin = torch.device(device).type == "cuda"
 
         def to_dev(data, dtype):
             t = torch.tensor(data, dtype=dtype, pin_memory=pin)
             return t.to(device, non_blocking=True)
 
-        greedy = [p.temperature == 0 for p in params]
-        all_greedy = all(greedy)
-        rows = [r for r, b in enumerate(banned) for _ in b]
-        ids = [i for b in banned for i in b]
-        banned_rows = to_dev(rows, torch.int64) if rows else None
-        banned_ids = to_dev(ids, torch.int64) if ids else None
-        if all_greedy:
+        banned_rows = banned_ids = None
+        if banned is not None and any(banned):
+            rows = [r for r, b in enumerate(banned) for _ in b]
+            ids = [i for b in banned for i in b]
+            banned_rows = to_dev(rows, torch.int64)
+            banned_ids = to_dev(ids, torch.int64)
+        temps = [p.temperature for p in params]
+        num_greedy = temps.count(0)
+        if num_greedy == len(temps):
             return SamplingBatch(None, None, None, None, None, None, None,
                                  banned_rows, banned_ids, all_greedy=True)
-        sampled = [p for p, g in zip(params, greedy) if not g]
+        greedy = [t == 0 for t in temps] if num_greedy else None
+        sampled = [p for p in params if p.temperature != 0] if num_greedy else params
         top_k = top_p = min_p = None
-        if any(p.top_k != -1 and p.top_k < vocab_size for p in sampled):
+        # each setting's distinct values (set comprehensions: cheaper than a generator per row)
+        if any(k != -1 and k < vocab_size for k in {p.top_k for p in sampled}):
             top_k = to_dev([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
                             for p in params], torch.int64)
-        if any(p.top_p < 1 for p in sampled):
+        if min({p.top_p for p in sampled}) < 1:
             top_p = to_dev([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0 for p in sampled):
+        if max({p.min_p for p in sampled}) > 0:
             min_p = to_dev([p.min_p for p in params], torch.float32)
-        seeded = [r for r, p in enumerate(params) if p.seed is not None and not greedy[r]]
         seeded_rows = seed_keys = None
-        if seeded:
+        if {p.seed for p in sampled} != {None}:
+            seeded = [r for r, p in enumerate(params) if p.seed is not None and p.temperature != 0]
+            if positions is None:
+                raise ValueError("SamplingBatch.build: seeded rows need their output positions")
             seeded_rows = to_dev(seeded, torch.int64)
             keys = []
             for r in seeded:
                 s = params[r].seed & 0xFFFFFFFFFFFFFFFF  # negative seeds too
                 keys.append([s & _M32, s >> 32, positions[r] & _M32])
             seed_keys = to_dev(keys, torch.int64)
+        if num_greedy == 0 and temps.count(temps[0]) == len(temps):
+            temperatures = _device_scalar(float(temps[0]), device)  # one value for the batch
+        else:
+            temperatures = to_dev([t if t > 0 else 1.0 for t in temps], torch.float32)
         return SamplingBatch(
-            temperatures=to_dev([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                torch.float32),
-            greedy_mask=to_dev(greedy, torch.bool) if any(greedy) else None,
+            temperatures=temperatures,
+            greedy_mask=to_dev(greedy, torch.bool) if greedy is not None else None,
             top_k=top_k, top_p=top_p, min_p=min_p,
             seeded_rows=seeded_rows, seed_keys=seed_keys,
             banned_rows=banned_rows, banned_ids=banned_ids,
@@ -126,7 +158,10 @@ class Sampler(nn.Module):
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
         if batch.all_greedy:
             return logits.argmax(dim=-1)
-        x = logits / batch.temperatures.unsqueeze(1)
+        temps = batch.temperatures
+        # a true division either way (a Python float divisor would become a multiplication by
+        # its reciprocal on CUDA, and a seeded row's tokens would then depend on its neighbours)
+        x = logits / (temps if temps.dim() == 0 else temps.unsqueeze(1))
         if batch.top_k is not None or batch.top_p is not None:
             x = self._top_k_top_p(x, batch.top_k, batch.top_p)
         probs = torch.softmax(x, dim=-1)

@@ -57,7 +57,7 @@ if [ "$TESTS" != none ]; then
   : > "$OUT/tests.log"
   for f in $TESTS; do
     start=$(date +%s)
-    python3 -m pytest -q -rf --maxfail=25 --timeout=900 -p no:cacheprovider "$f" ${PYTEST_ARGS:-} \
+    python3 -m pytest -q -rf --maxfail=25 --timeout=${TEST_TIMEOUT:-300} -p no:cacheprovider "$f" ${PYTEST_ARGS:-} \
       >> "$OUT/tests.log" 2>&1
     echo "tests $f: rc=$? $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1) ($(( $(date +%s) - start )) s)"
   done

@@ -249,3 +249,35 @@ def test_killed_rank0_leaves_no_worker_behind(ckpt):
     while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if running(p)], "a worker outlived its killed rank 0"
+
+
+def test_rank0_wait_polls_the_workers_and_returns_or_raises():
+    """Rank 0 on CUDA waits for a step's tokens by polling (ModelRunner._wait_watched): it returns
+    when the step's event completes, and raises as soon as the watch finds a dead worker (a
+    blocking synchronize would wait forever on an NCCL collective missing its peer)."""
+    import types
+
+    from qwen3_model.engine.model_runner import ModelRunner
+
+    class Event:
+        def __init__(self, done_after):
+            self.left = done_after
+
+        def query(self):
+            self.left -= 1
+            return self.left < 0
+
+    watched = []
+    ModelRunner._wait_watched(types.SimpleNamespace(tp_watch=lambda: watched.append(1)), Event(50))
+    assert watched  # the watch ran while it waited
+
+    def dies():
+        watched.append(1)
+        if len(watched) > 3:
+            raise RuntimeError("LLM: tensor-parallel worker rank 1 died")
+
+    watched.clear()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 died"):
+        ModelRunner._wait_watched(types.SimpleNamespace(tp_watch=dies), Event(10**12))
+    assert time.monotonic() - t0 < 5

@@ -88,6 +88,8 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, rank=0)
             if self._workers:
                 self.model_runner.worker_conns = [conn for _, conn in self._workers]
+                if config.device == "cuda":
+                    self.model_runner.tp_watch = self._check_workers
                 for rank, (proc, conn) in enumerate(self._workers, start=1):
                     msg = _recv_while_alive(self._workers, rank)
                     if msg[0] != "ready":
@@ -113,6 +115,20 @@ class LLMEngine:
         self._finalizer()
         if self.config.tensor_parallel_size > 1 and self._stopped is None:
             self._stopped = "close() stopped the tensor-parallel workers"
+
+    def _check_workers(self) -> None:
+        """Raise if a worker has died. On CUDA, first abort this rank's NCCL communicator: its
+        in-flight collective waits for the dead peer forever and would hold the stream."""
+        dead = _dead_worker(self._workers)
+        if dead is None:
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - the error below is the one that matters
+                pass
+        raise RuntimeError(f"LLM: {dead}")
 
     def _fail_tp(self, error: BaseException) -> None:
         """A step failed with workers running: some rank is mid-step, so the ranks can no longer

@@ -157,6 +157,9 @@ class ModelRunner:
         hf = config.hf_config
         self.rank = rank
         self.worker_conns: list = []  # rank 0, tensor parallel: pipes to the other ranks
+        # rank 0, tensor parallel on CUDA: called while a step's tokens are awaited; raises if a
+        # worker died (set by the engine, which knows the worker processes)
+        self.tp_watch = None
         self.world_size = config.tensor_parallel_size
         self.block_size = config.kvcache_block_size
         self.vocab_size = hf.vocab_size
@@ -675,8 +678,23 @@ class ModelRunner:
         if pending.host is None:
             return []
         if pending.event is not None:
-            pending.event.synchronize()
+            if self.tp_watch is None:
+                pending.event.synchronize()
+            else:
+                self._wait_watched(pending.event)
         return pending.host.tolist()
+
+    def _wait_watched(self, event) -> None:
+        """Poll the step's event instead of blocking on it: if a worker dies mid-step, this
+        rank's NCCL kernel waits for it forever, and a blocked synchronize would never return
+        to notice. tp_watch raises (after aborting the communicator) once a worker is gone."""
+        next_check = 0.0
+        while not event.query():
+            now = time.monotonic()
+            if now >= next_check:
+                self.tp_watch()
+                next_check = now + 0.01
+            time.sleep(0)  # let other threads run; the step's own time dominates anyway
 
     def _banned_ids(self, seq: Sequence) -> list[int]:
         """Ids that may not be sampled yet: EOS and stop ids before min_tokens."""

@@ -64,7 +64,8 @@ def _need():
 
 
 def variants() -> list[str]:
-    """Variant names by index; index 0 is the default."""
+    """Variant names by index; the default is index -1 (AUTO): w4s3 when the batch fills the
+    GPU without splits, w8s3 with every flag otherwise (see decode.cu)."""
     lib = _need()
     n = lib.qwen3_decode_num_variants()
     return [lib.qwen3_decode_variant_name(i).decode() for i in range(n)]
@@ -75,7 +76,12 @@ def variant_smem_bytes(variant: int | str) -> int:
     return _need().qwen3_decode_variant_smem_bytes(_index(variant))
 
 
+AUTO = -1  # the default variant index: chosen per call from the batch
+
+
 def _index(variant: int | str) -> int:
+    if variant == "auto":
+        return AUTO
     if isinstance(variant, str):
         names = variants()
         if variant not in names:

@@ -97,7 +97,8 @@ class LLMEngine:
         except BaseException:
             _stop_workers(self._workers, world > 1, graceful=False)
             raise
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, world > 1)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers, world > 1,
+                                           graphs=self.model_runner.graphs)
         self.tokenizer = self._load_tokenizer(config.model)
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_blocks,
@@ -141,7 +142,7 @@ class LLMEngine:
             deadline = time.monotonic() + _FAIL_GRACE_S
             while (dead := _dead_worker(self._workers)) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        _stop_workers(self._workers, True, graceful=False)
+        _stop_workers(self._workers, True, graceful=False, graphs=self.model_runner.graphs)
         self._finalizer.detach()  # done here; a later LLM's process group is not ours to destroy
         self._stopped = (f"a failed step stopped the tensor-parallel workers "
                          f"({dead or f'rank 0 raised {type(error).__name__}: {error}'})")
@@ -478,6 +479,7 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
     # Ctrl-C reaches the whole process group; rank 0 alone decides, and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_orphaned()
+    runner = None
     try:
         config = Config(model, **kwargs)
         if config.device == "cpu":
@@ -499,8 +501,20 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
             pass  # rank 0 is gone too
         sys.exit(1)
     finally:
+        if runner is not None:
+            _release_graphs(runner.graphs)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _release_graphs(graphs: dict) -> None:
+    """Destroy the CUDA graphs before the process group: captured NCCL collectives hold on to the
+    communicator, and destroying it under live graphs can block (nano-vllm drops its graphs first
+    for the same reason)."""
+    if graphs:
+        graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
 
 def _exit_when_orphaned(poll_s: float = 0.5) -> None:
@@ -598,9 +612,12 @@ def _run_while_alive(workers: list, fn) -> None:
         raise box[0]
 
 
-def _stop_workers(workers: list, owns_group: bool, graceful: bool = True) -> None:
+def _stop_workers(workers: list, owns_group: bool, graceful: bool = True,
+                  graphs: dict | None = None) -> None:
     """Stop every worker (bounded: a worker that does not leave in time is killed), then this
-    process's side of the group. ``graceful=False``: kill at once (they may be mid-collective)."""
+    process's side of the group, after its CUDA graphs (``graphs``, cleared: the engine cannot
+    replay them without the group anyway). ``graceful=False``: kill at once (they may be
+    mid-collective)."""
     if graceful:
         for proc, conn in workers:
             try:
@@ -617,4 +634,5 @@ def _stop_workers(workers: list, owns_group: bool, graceful: bool = True) -> Non
         conn.close()
     workers.clear()
     if owns_group and dist.is_initialized():
+        _release_graphs(graphs)
         dist.destroy_process_group()

@@ -38,7 +38,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_engine import nano_vllm_workload  # noqa: E402  (the same workload)
 from qwen3_model.layers import sampler as sampler_mod  # noqa: E402
 from qwen3_model.llm import LLM  # noqa: E402
 from qwen3_model.random_checkpoint import write_random_checkpoint  # noqa: E402
@@ -61,16 +61,6 @@ from qwen3_model.sampling_params import SamplingParams  # noqa: E402
 TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True,
             max_position_embeddings=40960)
-
-
-def nano_vllm_workload(num_seqs: int = 256, seed: int = 0, max_input_len: int = 1024,
-                       max_output_len: int = 1024):
-    """The bench_engine workload (same draws): prompts as token-id lists, max_tokens each."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))]
-               for _ in range(num_seqs)]
-    max_tokens = [rng.randint(100, max_output_len) for _ in range(num_seqs)]
-    return prompts, max_tokens
 
 
 CLOCK = time.perf_counter  # set by --clock

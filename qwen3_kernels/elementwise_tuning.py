@@ -24,11 +24,14 @@ OPS = ("silu", "norm")
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded extension as a ctypes library, or None (no extension, or built without hooks)."""
-    from .ops import extension_cdll
+    from . import ops
 
-    lib = extension_cdll()
-    if lib is None:
+    if not ops.has_cuda_kernels():
         return None
+    from . import _C
+
+    # dlopen of an already loaded file returns the same handle: the same globals the op uses.
+    lib = ctypes.CDLL(_C.__file__)
     try:
         for op in OPS:
             getattr(lib, f"qwen3_{op}_set_variant").argtypes = [ctypes.c_int]

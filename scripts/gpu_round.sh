@@ -6,6 +6,7 @@
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated
+#   TEST_TIMEOUT=300 FILE_TIMEOUT=900  # a test past 300 s dumps its stacks; a file past 900 s is killed
 #   PARALLEL=1 ...        # on a machine with >= 2 GPUs: the test files run at once (each file one
 #                         # process, round-robin over all GPUs but the last) while the benchmarks run
 #                         # alone on the last GPU; tests needing 2 GPUs do not belong in such a round
@@ -44,7 +45,8 @@ if [ "${PARALLEL:-0}" = 1 ] && [ "$NGPU" -ge 2 ] && [ "$TESTS" != none ]; then
     kexpr=()
     if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
     ( start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
+      CUDA_VISIBLE_DEVICES=$gpu timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
+        -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
         -p no:cacheprovider "$f" "${kexpr[@]}" ${PYTEST_ARGS:-} > "$log" 2>&1
       echo "tests $f ${kexpr[*]} (GPU $gpu): rc=$? $(grep -E '(passed|failed|error)' "$log" | tail -1) ($(( $(date +%s) - start )) s)" >> "$log.sum" ) &
   done
@@ -57,8 +59,10 @@ if [ "$TESTS" != none ]; then
   : > "$OUT/tests.log"
   for f in $TESTS; do
     start=$(date +%s)
-    python3 -m pytest -q -rf --maxfail=25 --timeout=${TEST_TIMEOUT:-300} -p no:cacheprovider "$f" ${PYTEST_ARGS:-} \
-      >> "$OUT/tests.log" 2>&1
+    # faulthandler_timeout (built into pytest) dumps every thread's stack when one test runs past
+    # TEST_TIMEOUT, so a hang shows where it is; FILE_TIMEOUT then kills the file's process.
+    timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
+      -p no:cacheprovider "$f" ${PYTEST_ARGS:-} >> "$OUT/tests.log" 2>&1
     echo "tests $f: rc=$? $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1) ($(( $(date +%s) - start )) s)"
   done
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40

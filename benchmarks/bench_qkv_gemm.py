@@ -3,6 +3,7 @@
     cd benchmarks && pytest -q -s bench_qkv_gemm.py                  # both parts
     cd benchmarks && pytest -q -s bench_qkv_gemm.py -k vs_cublas     # ours (the table's choice) vs cuBLAS
     cd benchmarks && pytest -q -s bench_qkv_gemm.py -k configs       # every config, best per case
+    cd benchmarks && pytest -q -s bench_qkv_gemm.py -k gemv          # gemv vs cuBLAS, T=1,3,8
 
 out[T, N] = x[T, K] @ w[N, K]^T in bf16. Each case rotates (x, w, out) sets that together exceed
 the 60 MB L2 several times, so the weight streams from HBM as it does in a real forward pass, and
@@ -35,12 +36,16 @@ IDS = [f"{m}-T{t}" for m, t in CASES]
 
 # Candidates per T range for the configs sweep (config[:mode], see qkv_gemm.cu). "splitk" is the
 # kernel measured on 2026-11-29 (without a count it now takes the 4 / 2 / 1 rule); splitk_pf and
-# splitk_pdl are its L2-prefetch and PDL variants, not yet measured.
+# splitk_pdl are its L2-prefetch and PDL variants, not yet measured; gemv[:R] is the CUDA-core
+# weight-streaming GEMV (M <= 8, R weight rows per warp), not yet measured either.
+GEMV = ["gemv", "gemv:1", "gemv:2", "gemv:4"]
+
+
 def _candidates(t):
     if t <= 64:
         return ["splitk", "splitk:2", "splitk:3", "splitk:4", "splitk_pf", "splitk_pf:2",
                 "splitk_pdl", "splitk_pdl:2", "swap_128x64:streamk", "swap_128x64:heuristic",
-                "tile_128x128:heuristic"]
+                "tile_128x128:heuristic"] + (GEMV if t <= 8 else [])
     if t <= 512:
         return ["swap_128x64:streamk", "swap_128x64:heuristic", "tile_128x128:heuristic",
                 "tile_128x128:streamk", "tile_128x128:dp", "tile_128x256:heuristic"]
@@ -161,3 +166,38 @@ def test_qkv_gemm_configs(model, t, summary):
     line = ", ".join(f"{c} {s * 1e6:.1f}" for s, c in times)
     print(f"\n[configs] {model} N={n} K={k} T={t}: {line}  -> best {times[0][1]} "
           f"({nbytes / times[0][0] / 1e12:.2f} TB/s, {2 * t * n * k / times[0][0] / 1e12:.0f} TFLOP/s)")
+
+
+GEMV_TOKENS = [1, 3, 8]
+GEMV_CASES = [(model, t) for model in QKV_SHAPES for t in GEMV_TOKENS]
+
+
+@pytest.mark.parametrize("model,t", GEMV_CASES, ids=[f"{m}-T{t}" for m, t in GEMV_CASES])
+def test_qkv_gemm_gemv_vs_cublas(model, t, report):
+    """Each gemv variant next to the table's choice (auto) and cuBLAS at decode sizes.
+
+    One report row per variant (baselines: cuBLAS and auto), so the table at the end shows TB/s
+    and both speed-ups; the [gemv] line lists all of them for the case.
+    """
+    n, k = QKV_SHAPES[model]
+    sets = _sets(t, n, k)
+    calls = max(len(sets), 8)
+    base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
+                    calls_per_replay=calls)
+
+    def run():
+        s = time_gpu(_ours(sets), calls_per_replay=calls)
+        _guard(sets)
+        return s
+
+    auto = _with_force("auto", run)
+    nbytes = (n * k + t * k + t * n) * 2
+    times = {}
+    for config in GEMV:
+        times[config] = _with_force(config, run)
+        report("qkv_gemm", f"{model} N={n} K={k} T={t} {config}", times[config],
+               {"cublas": base, "auto": auto}, nbytes=nbytes)
+    line = ", ".join(f"{c} {s * 1e6:.1f} ({nbytes / s / 1e12:.2f} TB/s)" for c, s in times.items())
+    print(f"\n[gemv] {model} N={n} K={k} T={t}: cublas {base * 1e6:.1f} "
+          f"({nbytes / base / 1e12:.2f} TB/s), auto {auto * 1e6:.1f} "
+          f"({nbytes / auto / 1e12:.2f} TB/s), {line}")

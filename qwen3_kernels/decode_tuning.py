@@ -26,14 +26,11 @@ FLAG_NAMES = {INTERLEAVE: "interleave", FAST_COMBINE: "fast_combine", PDL: "pdl"
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded extension as a ctypes library, or None (no extension, or built without hooks)."""
-    from . import ops
+    from .ops import extension_cdll
 
-    if not ops.has_cuda_kernels():
+    lib = extension_cdll()
+    if lib is None:
         return None
-    from . import _C
-
-    # dlopen of an already loaded file returns the same handle: the same globals the op uses.
-    lib = ctypes.CDLL(_C.__file__)
     try:
         lib.qwen3_decode_set_tuning.argtypes = [ctypes.c_int] * 3
         lib.qwen3_decode_set_tuning.restype = ctypes.c_int
@@ -64,7 +61,8 @@ def _need():
 
 
 def variants() -> list[str]:
-    """Variant names by index; index 0 is the default."""
+    """Variant names by index; the default is index -1 (AUTO): w4s3 when the batch fills the
+    GPU without splits, w8s3 with every flag otherwise (see decode.cu)."""
     lib = _need()
     n = lib.qwen3_decode_num_variants()
     return [lib.qwen3_decode_variant_name(i).decode() for i in range(n)]
@@ -75,7 +73,12 @@ def variant_smem_bytes(variant: int | str) -> int:
     return _need().qwen3_decode_variant_smem_bytes(_index(variant))
 
 
+AUTO = -1  # the default variant index: chosen per call from the batch
+
+
 def _index(variant: int | str) -> int:
+    if variant == "auto":
+        return AUTO
     if isinstance(variant, str):
         names = variants()
         if variant not in names:

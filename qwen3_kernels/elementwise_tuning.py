@@ -24,14 +24,11 @@ OPS = ("silu", "norm")
 @functools.lru_cache(maxsize=None)
 def _lib():
     """The loaded extension as a ctypes library, or None (no extension, or built without hooks)."""
-    from . import ops
+    from .ops import extension_cdll
 
-    if not ops.has_cuda_kernels():
+    lib = extension_cdll()
+    if lib is None:
         return None
-    from . import _C
-
-    # dlopen of an already loaded file returns the same handle: the same globals the op uses.
-    lib = ctypes.CDLL(_C.__file__)
     try:
         for op in OPS:
             getattr(lib, f"qwen3_{op}_set_variant").argtypes = [ctypes.c_int]

@@ -12,6 +12,8 @@ reference, and each op has a fake impl so ``torch.compile(fullgraph=True)`` trac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reference as ref
@@ -53,6 +55,20 @@ except ImportError as e:  # built without CUDA, or the build is missing
         _lib_def.define(_schema)
 
 _OPS = torch.ops.qwen3_kernels
+
+
+@functools.lru_cache(maxsize=None)
+def extension_cdll():
+    """The loaded extension as a ctypes library, for the C tuning hooks some kernels export
+    (decode_tuning.py, elementwise_tuning.py); None without the built extension. dlopen of the
+    already loaded file returns the same handle: the hooks change the globals the ops use."""
+    if not has_cuda_kernels():
+        return None
+    import ctypes
+
+    from . import _C
+
+    return ctypes.CDLL(_C.__file__)
 
 
 def has_cuda_kernels() -> bool:

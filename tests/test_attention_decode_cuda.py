@@ -350,3 +350,17 @@ def test_decode_tuning_from_the_environment():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == f"(3, {VARIANTS.index('w4s6')}, 6)"
+
+
+def test_decode_default_is_the_automatic_choice():
+    # a fresh process without the tuning variables: variant AUTO (w4s3 when the batch fills the
+    # GPU, w8s3 + all flags when it needs splits), no forced splits, no explicit flags
+    if not dt.available():
+        pytest.skip("the extension has no decode tuning hooks")
+    code = ("import torch, qwen3_kernels; from qwen3_kernels import decode_tuning as dt; "
+            "print(dt.get())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN3_DECODE_")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == f"(0, {dt.AUTO}, 0)"

@@ -107,6 +107,62 @@ def test_qkv_gemm_each_config(config, t, n, k, dtype, force):
     _check(x, w, out)
 
 
+# gemv (M <= 8, not in the choice table yet): every weight-rows-per-warp variant on every shape
+# case above with T <= 8, plus T = 1, 3, 8 on every shape (T = 3 runs as 4 with a masked row).
+GEMV_VARIANTS = ["gemv", "gemv:1", "gemv:2", "gemv:4"]
+GEMV_SHAPE_CASES = sorted(
+    {(m, t) for m, t in CASES if t <= 8} | {(m, t) for m in QKV_SHAPES for t in (1, 3, 8)},
+    key=lambda c: (list(QKV_SHAPES).index(c[0]), c[1]),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", GEMV_VARIANTS)
+@pytest.mark.parametrize("model,t", GEMV_SHAPE_CASES, ids=[f"{m}-T{t}" for m, t in GEMV_SHAPE_CASES])
+def test_qkv_gemm_gemv_qwen3_shapes(model, t, config, dtype, force):
+    force(config)
+    n, k = QKV_SHAPES[model]
+    x, w = _inputs(t, n, k, dtype, seed=t + n)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
+    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    _check(x, w, out)
+
+
+# gemv at odd sizes: every padded token count (T = 1..8 -> 1, 2, 4, 8), N not a multiple of
+# 4 warps x R rows (idle warps in the last CTA), K = 8 (one lane busy), K not a multiple of the
+# 256..1024-column stage (partial last stage), and a K far past any shared-memory staging limit.
+GEMV_ODD = [
+    (config, t, n, k)
+    for config in GEMV_VARIANTS
+    for t, n, k in ((1, 8, 8), (2, 72, 1032), (3, 4104, 200), (4, 24, 2056), (5, 1032, 264),
+                    (6, 40, 776), (7, 4104, 1032), (8, 72, 25600))
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config,t,n,k", GEMV_ODD,
+                         ids=[f"{c}-T{t}-N{n}-K{k}" for c, t, n, k in GEMV_ODD])
+def test_qkv_gemm_gemv_odd_sizes(config, t, n, k, dtype, force):
+    force(config)
+    x, w = _inputs(t, n, k, dtype, seed=t + n + k)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
+    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    _check(x, w, out)
+
+
+def test_qkv_gemm_gemv_writes_only_its_output(force):
+    # The output is a row-aligned slice of a larger poisoned buffer: nothing around it may change
+    # (masked token rows and idle warps must not store).
+    force("gemv")
+    for t, n, k in ((3, 72, 1032), (5, 4104, 200)):
+        x, w = _inputs(t, n, k, torch.bfloat16, seed=t)
+        buf = torch.full((t + 2, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = buf[1 : t + 1]
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        _check(x, w, out)
+        assert buf[0].isnan().all() and buf[t + 1].isnan().all()
+
+
 def test_qkv_gemm_in_a_cuda_graph(force):
     # Decode runs from captured graphs: the stream-K workspace comes from the caching allocator
     # and the barrier reset is a memset node, so replays must stay correct with fresh inputs.
@@ -203,4 +259,9 @@ def test_qkv_gemm_rejects_misaligned_and_refused(force):
     x, w = _inputs(65, 64, 64, torch.bfloat16)
     out = torch.empty(65, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot run M=65"):
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    force("gemv")  # M <= 8 only
+    x, w = _inputs(9, 64, 64, torch.bfloat16)
+    out = torch.empty(9, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot run M=9"):
         torch.ops.qwen3_kernels.qkv_gemm(out, x, w)

@@ -523,17 +523,20 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // ---- tuning state -------------------------------------------------------------------------------
 
-// The default, from the H200 sweep of 2026-11-30 (benchmarks/RESULTS.md, BENCH_DECODE_SWEEP=1):
-// w8s3 with interleaved splits, the one-round-trip combine and PDL was best or within 1% of best
-// at B=16 ctx 2k (36.7 us, 0.94x cuDNN; w4s3: 37.9 us) and B=1 ctx 32k (37.2 us, 1.04x cuDNN;
-// w4s3: 39.6 us). On a GPU without 192 KB of shared memory per CTA it falls back to w4s3.
-constexpr int kDefaultVariant = 4;  // w8s3
-constexpr int kDefaultFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
+// The default (variant index -1) picks per call, from the H200 measurements of 2026-11-30
+// (benchmarks/RESULTS.md): when the batch's (sequence, kv head) CTAs fill every SM without splits,
+// w4s3 without flags (2 CTAs per SM; B=32 ctx 4k 0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x, where
+// w8s3 measured 0.93-0.97x); otherwise (the batch needs splits) w8s3 with interleaved splits, the
+// one-round-trip combine and PDL (B=16 ctx 2k 0.96-1.02x, B=1 ctx 32k 1.01-1.05x; w4s3 0.90-0.97x).
+// On a GPU without 192 KB of shared memory per CTA w8s3 falls back to w4s3.
+constexpr int kAutoVariant = -1;
+constexpr int kSmallBatchVariant = 4;  // w8s3
+constexpr int kSmallBatchFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
 
 struct Tuning {
   std::atomic<int> splits{0};                 // 0 = choose_num_splits
-  std::atomic<int> variant{kDefaultVariant};  // index into kVariants
-  std::atomic<int> flags{kDefaultFlags};      // kFlag* bits
+  std::atomic<int> variant{kAutoVariant};  // index into kVariants, or kAutoVariant
+  std::atomic<int> flags{0};               // kFlag* bits (kAutoVariant chooses its own)
   std::atomic<int> last_splits{0};
 };
 
@@ -551,7 +554,7 @@ Tuning& tuning() {
     auto* s = new Tuning();
     if (const char* e = std::getenv("QWEN3_DECODE_SPLITS")) s->splits = std::max(0, std::atoi(e));
     if (const char* e = std::getenv("QWEN3_DECODE_VARIANT"))
-      s->variant = std::max(0, variant_index(e));
+      s->variant = std::strcmp(e, "auto") == 0 ? kAutoVariant : std::max(0, variant_index(e));
     if (const char* e = std::getenv("QWEN3_DECODE_FLAGS")) s->flags = std::atoi(e) & kAllFlags;
     return s;
   }();
@@ -757,8 +760,13 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   if (num_kv_heads * p.head_chunks > 65535) return cudaErrorInvalidValue;
   Tuning& tu = tuning();
   const int forced_splits = tu.splits.load(std::memory_order_relaxed);
-  const int variant = tu.variant.load(std::memory_order_relaxed);
-  const int flags = tu.flags.load(std::memory_order_relaxed);
+  int variant = tu.variant.load(std::memory_order_relaxed);
+  int flags = tu.flags.load(std::memory_order_relaxed);
+  if (variant == kAutoVariant) {
+    const bool fills_gpu = int64_t{batch} * num_kv_heads * p.head_chunks >= num_sms;
+    variant = fills_gpu ? 0 : kSmallBatchVariant;
+    flags = fills_gpu ? 0 : kSmallBatchFlags;
+  }
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     return launch_variant<T>(variant, p, batch, max_ctx, num_sms, forced_splits, flags, stream);
   });
@@ -771,11 +779,14 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
 
 #define QWEN3_DECODE_EXPORT extern "C" __attribute__((visibility("default")))
 
-// Sets the split count (0 = automatic), variant index and flag bits for the following calls.
+// Sets the split count (0 = automatic), variant index (-1 = the automatic choice by batch, the
+// default) and flag bits for the following calls.
 // Returns 0, or -1 (and changes nothing) when the variant or a flag is unknown or splits < 0.
 QWEN3_DECODE_EXPORT int qwen3_decode_set_tuning(int splits, int variant, int flags) {
   using namespace qwen3_kernels;
-  if (splits < 0 || variant < 0 || variant >= kNumVariants || (flags & ~kAllFlags) != 0) return -1;
+  if (splits < 0 || variant < kAutoVariant || variant >= kNumVariants ||
+      (flags & ~kAllFlags) != 0)
+    return -1;
   Tuning& t = tuning();
   t.splits.store(splits, std::memory_order_relaxed);
   t.variant.store(variant, std::memory_order_relaxed);

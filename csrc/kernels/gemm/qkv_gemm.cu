@@ -12,14 +12,17 @@
 //   swap_128x64   CUTLASS, out^T = w @ x^T, tile 128 weight rows x 64 tokens
 //   tile_128x128  CUTLASS, tile 128 tokens x 128 weight rows, 2x1 cluster
 //   tile_128x256  CUTLASS, tile 128 tokens x 256 weight rows, 2x1 cluster
+//   gemv          hand-written weight-streaming GEMV on the CUDA cores, a warp per 1 / 2 / 4 weight
+//                 rows over the whole K, no split-K (M <= 8); not in the table until measured
 // The CUTLASS ones use the stream-K tile scheduler, so each also takes a decomposition at run
 // time (data-parallel, split-K, stream-K or CUTLASS's heuristic).
 //
 // QWEN3_QKV_GEMM_FORCE=<config>[:<mode>] overrides the table for every call (read per call, so a
 // benchmark can compare configurations in one process): <mode> is heuristic | dp | streamk |
-// split<S> for the CUTLASS configs and the split count S (1..8) for the splitk ones (without it,
-// splitk_default_splits). A forced config that cannot run the problem (splitk with M > 64) makes
-// the call fail with cudaErrorNotSupported.
+// split<S> for the CUTLASS configs, the split count S (1..8) for the splitk ones (without it,
+// splitk_default_splits) and the weight rows per warp R (1, 2, 4) for gemv (without it,
+// gemv_default_rows_per_warp). A forced config that cannot run the problem (splitk with M > 64,
+// gemv with M > 8) makes the call fail with cudaErrorNotSupported.
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -34,12 +37,14 @@ namespace qwen3_kernels {
 namespace qkv_gemm_detail {
 namespace {
 
-enum class Config { kSplitK, kSplitKPf, kSplitKPdl, kSwap128x64, kTile128x128, kTile128x256 };
+enum class Config {
+  kSplitK, kSplitKPf, kSplitKPdl, kSwap128x64, kTile128x128, kTile128x256, kGemv
+};
 
 struct Choice {
   Config config;
   Decomposition decomposition;  // CUTLASS configs; kSplitK with splits > 0 also for splitk*
-  int splits;                   // split-K factor; 0 = the config's default
+  int splits;                   // split-K factor (gemv: weight rows per warp); 0 = the default
 };
 
 // Short names for the table below.
@@ -53,6 +58,9 @@ constexpr Choice splitk(int s) { return {Config::kSplitK, Decomposition::kSplitK
 }
 [[maybe_unused]] constexpr Choice splitk_pdl(int s) {
   return {Config::kSplitKPdl, Decomposition::kSplitK, s};
+}
+[[maybe_unused]] constexpr Choice gemv(int rows_per_warp) {
+  return {Config::kGemv, Decomposition::kSplitK, rows_per_warp};
 }
 constexpr Choice swap(Decomposition d) { return {Config::kSwap128x64, d, 0}; }
 constexpr Choice t128(Decomposition d) { return {Config::kTile128x128, d, 0}; }
@@ -163,6 +171,8 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
     f.config = Config::kTile128x128;
   } else if (name == "tile_128x256") {
     f.config = Config::kTile128x256;
+  } else if (name == "gemv") {
+    f.config = Config::kGemv;
   } else {
     ok = false;
   }
@@ -171,13 +181,19 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
       f.decomposition != Decomposition::kSplitK) {
     ok = false;  // the splitk kernels take a split count only
   }
+  if (ok && f.config == Config::kGemv &&
+      !(f.decomposition == Decomposition::kHeuristic ||
+        (f.decomposition == Decomposition::kSplitK &&
+         (f.splits == 1 || f.splits == 2 || f.splits == 4)))) {
+    ok = false;  // gemv takes rows per warp only: 1, 2 or 4
+  }
   if (!ok) {
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true)) {
       std::fprintf(stderr,
                    "qwen3_kernels.qkv_gemm: ignoring QWEN3_QKV_GEMM_FORCE=%s (expected auto or "
-                   "splitk[:S] | splitk_pf[:S] | splitk_pdl[:S] | swap_128x64 | tile_128x128 | "
-                   "tile_128x256 [:heuristic|dp|streamk|split<S>])\n",
+                   "splitk[:S] | splitk_pf[:S] | splitk_pdl[:S] | gemv[:1|2|4] | swap_128x64 | "
+                   "tile_128x128 | tile_128x256 [:heuristic|dp|streamk|split<S>])\n",
                    env);
     }
     return c;
@@ -266,6 +282,8 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x128_bf16(p) : sm90_tile_128x128_fp16(p);
     case Config::kTile128x256:
       return bf16 ? sm90_tile_128x256_bf16(p) : sm90_tile_128x256_fp16(p);
+    case Config::kGemv:
+      return gemv_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
   }
   return cudaErrorNotSupported;
 }

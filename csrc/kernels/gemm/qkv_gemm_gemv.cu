@@ -1,0 +1,212 @@
+// qkv_gemm for decode (M <= 8 tokens) on the CUDA cores: a weight-streaming GEMV ("gemv").
+//
+// At M <= 8, out[M, N] = x[M, K] @ w[N, K]^T is a pass over the N*K weight and little else, so the
+// only goal is to keep enough weight bytes in flight to reach the HBM read ceiling:
+//   - Each warp owns R consecutive weight rows (output columns) over the whole K: no split-K, no
+//     reduction between CTAs, no workspace, no atomics; every output is written by one lane.
+//   - A lane reads 16 bytes (8 columns) of each row per 256-column slice, so a warp's loads are
+//     512 contiguous bytes per row. A stage is 4 such loads per thread (R rows x 4/R slices), and
+//     the next stage's 4 loads are issued before this stage's FMAs: 4..8 independent 16-byte
+//     loads in flight per thread at all times. The loads bypass L1 (ld.global.nc.L1::no_allocate)
+//     and ask L2 for 256-byte lines; both hints exist on sm_80, so the kernel builds there too.
+//   - Many small CTAs (4 warps, 4 * R rows): N / (4 R) = 256..5120 CTAs for the Qwen3 shapes,
+//     several per SM, and the block scheduler balances them dynamically (nothing waits on a wave).
+//   - x is read through L1 with __ldg, not staged in shared memory. It is at most 8 x K bf16
+//     (80 KB at K = 5120), every warp of every CTA on an SM reads the same columns at about the
+//     same time, and L1 is shared by all the SM's CTAs, whereas a shared-memory copy would be
+//     fetched from L2 once per CTA (for 8B at M = 8: 384 CTAs x 64 KB = 24 MB of L2 reads, half
+//     the weight) and would cap K (8 x 25600 x 2 B = 400 KB does not fit) or need a K-tiled
+//     loop with barriers. L1 and shared memory share one data path, so nothing is lost on hits.
+//   - fp32 accumulators acc[token][row] per lane, summed across the warp with shuffles at the end.
+//   - M is padded to NT in {1, 2, 4, 8}; rows of x past M are clamped to row M - 1 (valid memory,
+//     uniform control flow) and their results are never stored.
+// Cost per 8 columns of one row and NT tokens: 8 NT FMAs, 8 / NT weight converts and 8 / R x
+// converts per FMA slot: at M = 8 (R = 4) about 1.4 instructions per FMA, ~8 us of issue on the
+// H200 for the 8B shape against ~12 us of weight streaming, so even M = 8 should stay memory-bound.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "qkv_gemm_configs.h"
+#include "qwen3_kernels/common.cuh"
+
+namespace qwen3_kernels::qkv_gemm_detail {
+namespace {
+
+constexpr int kWarps = 4;                 // per CTA
+constexpr int kThreads = 32 * kWarps;
+constexpr int kLoadsPerStage = 4;         // 16-byte weight loads per thread per pipeline stage
+constexpr int kSlice = 32 * 8;            // columns one warp covers with one 16-byte load per lane
+
+// 16 bytes of the weight: read once, never again, so keep it out of L1 and fetch whole L2 lines.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Eight 16-bit values (one 16-byte load, element 0 in the low half of .x) to fp32.
+template <typename T>
+__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]);
+
+template <>
+__device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
+  // bf16 is the top half of an fp32: a shift or a mask, no conversion instruction.
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+template <>
+__device__ __forceinline__ void to_float8<__half>(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// One stage of weight loads: slice u of row r at columns kk + 256 u + 8 lane .. +7. Columns at or
+// past k (only in the last stage; k % 8 == 0, so a lane's 8 columns are all in or all out) are not
+// read.
+template <typename T, int R, int U>
+__device__ __forceinline__ void load_stage(uint4 (&buf)[R][U], const T* const (&rows)[R], int kk,
+                                           int lane_col, int k) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int col = kk + u * kSlice + lane_col;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      buf[r][u] = col < k ? load_stream(rows[r] + col) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Grid ceil(n / (4 R)) CTAs of 4 warps; warp w of CTA b owns rows (4 b + w) R .. + R - 1.
+template <typename T, int NT, int R>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(T* __restrict__ out,        // [m, n]
+                const T* __restrict__ x,    // [m, k], m <= NT
+                const T* __restrict__ w,    // [n, k]
+                int m, int n, int k) {
+  constexpr int U = kLoadsPerStage / R;  // slices per row per stage
+  constexpr int kStep = U * kSlice;      // columns per stage
+  static_assert(NT * R <= 32, "one lane stores each (token, row) result");
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n0 = (blockIdx.x * kWarps + warp) * R;
+  // n % 8 == 0 and R divides 8, so a warp's R rows are all in range or all out of it. No barrier
+  // follows, so the idle warps of the last CTA can leave.
+  if (n0 >= n) return;
+  const int lane_col = 8 * lane;
+
+  const T* rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = w + static_cast<int64_t>(n0 + r) * k;
+  const T* xr[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) xr[t] = x + static_cast<int64_t>(min(t, m - 1)) * k + lane_col;
+
+  float acc[NT][R];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
+
+  uint4 cur[R][U];
+  load_stage<T, R, U>(cur, rows, 0, lane_col, k);
+  for (int kk = 0; kk < k; kk += kStep) {
+    // the next stage in flight while this one is multiplied
+    uint4 nxt[R][U];
+    load_stage<T, R, U>(nxt, rows, kk + kStep, lane_col, k);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = kk + u * kSlice;  // column of lane 0
+      if (c + lane_col < k) {         // divergent only in the last stage
+        float wf[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) to_float8<T>(cur[r][u], wf[r]);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          float xf[8];
+          to_float8<T>(__ldg(reinterpret_cast<const uint4*>(xr[t] + c)), xf);
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u) cur[r][u] = nxt[r][u];
+  }
+
+  // Every lane ends with every sum (xor butterfly); lane t R + r stores (token t, row r).
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = warp_sum(acc[t][r]);
+      if (lane == t * R + r && t < m) out[static_cast<int64_t>(t) * n + n0 + r] = from_float<T>(s);
+    }
+  }
+}
+
+template <typename T, int NT, int R>
+cudaError_t launch(const Problem& p) {
+  const int64_t rows_per_cta = static_cast<int64_t>(kWarps) * R;
+  const dim3 grid(static_cast<unsigned>((p.n + rows_per_cta - 1) / rows_per_cta));
+  gemv_kernel<T, NT, R><<<grid, kThreads, 0, p.stream>>>(
+      static_cast<T*>(p.out), static_cast<const T*>(p.x), static_cast<const T*>(p.w),
+      static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k));
+  return cudaGetLastError();
+}
+
+template <typename T, int NT>
+cudaError_t launch_for_rows(const Problem& p, int rows_per_warp) {
+  switch (rows_per_warp) {
+    case 1:
+      return launch<T, NT, 1>(p);
+    case 2:
+      return launch<T, NT, 2>(p);
+    case 4:
+      return launch<T, NT, 4>(p);
+  }
+  return cudaErrorNotSupported;
+}
+
+template <typename T>
+cudaError_t launch_for_m(const Problem& p, int rows_per_warp) {
+  if (p.m <= 1) return launch_for_rows<T, 1>(p, rows_per_warp);
+  if (p.m <= 2) return launch_for_rows<T, 2>(p, rows_per_warp);
+  if (p.m <= 4) return launch_for_rows<T, 4>(p, rows_per_warp);
+  return launch_for_rows<T, 8>(p, rows_per_warp);
+}
+
+}  // namespace
+
+int gemv_default_rows_per_warp(int64_t m) {
+  // Unmeasured guess: at 1..2 tokens the FMAs are cheap, so 2 rows a warp (twice the warps of 4,
+  // more latency hiding); from 3 tokens on, 4 rows a warp halve the x loads and converts per FMA.
+  return m <= 2 ? 2 : 4;
+}
+
+cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp) {
+  if (rows_per_warp == 0) rows_per_warp = gemv_default_rows_per_warp(p.m);
+  if (p.m < 1 || p.m > kGemvMaxM || p.n % 8 != 0 || p.k % 8 != 0 || p.n < 8 || p.k < 8 ||
+      p.n > (int64_t{1} << 30) || p.k > (int64_t{1} << 30)) {
+    return cudaErrorNotSupported;
+  }
+  return bf16 ? launch_for_m<__nv_bfloat16>(p, rows_per_warp)
+              : launch_for_m<__half>(p, rows_per_warp);
+}
+
+}  // namespace qwen3_kernels::qkv_gemm_detail

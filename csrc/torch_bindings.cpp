@@ -394,6 +394,57 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   check_launch(err, op);
 }
 
+// ---------------------------------------------------------------------------------------------
+// sample_tokens
+// ---------------------------------------------------------------------------------------------
+
+void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperatures,
+                   const at::Tensor& seed_keys) {
+  const char* op = "sample_tokens";
+  check_cuda(logits, logits, op, "logits");
+  check_cuda(out, logits, op, "out");
+  check_cuda(temperatures, logits, op, "temperatures");
+  check_cuda(seed_keys, logits, op, "seed_keys");
+  qwen3_kernels::LogitsDType dt = qwen3_kernels::LogitsDType::kFloat32;
+  if (logits.scalar_type() == at::kHalf) {
+    dt = qwen3_kernels::LogitsDType::kFloat16;
+  } else if (logits.scalar_type() == at::kBFloat16) {
+    dt = qwen3_kernels::LogitsDType::kBFloat16;
+  } else {
+    QK_CHECK(logits.scalar_type() == at::kFloat, "qwen3_kernels.", op,
+             ": logits must be float32, float16 or bfloat16, got ", logits.scalar_type());
+  }
+  check_rows(logits, op, "logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  QK_CHECK(vocab >= 1 && vocab <= (int64_t{1} << 30), "qwen3_kernels.", op,
+           ": logits' vocab dim must be in [1, 2^30], got ", vocab);
+  check_dtype(out, at::kLong, op, "out");
+  check_contiguous(out, op, "out");
+  QK_CHECK(out.dim() == 1 && out.size(0) == rows, "qwen3_kernels.", op, ": out must be [", rows,
+           "], got ", out.sizes());
+  check_dtype(temperatures, at::kFloat, op, "temperatures");
+  check_contiguous(temperatures, op, "temperatures");
+  QK_CHECK(temperatures.dim() == 1 && temperatures.size(0) == rows, "qwen3_kernels.", op,
+           ": temperatures must be [", rows, "], got ", temperatures.sizes());
+  check_dtype(seed_keys, at::kLong, op, "seed_keys");
+  check_contiguous(seed_keys, op, "seed_keys");
+  QK_CHECK(seed_keys.dim() == 2 && seed_keys.size(0) == rows && seed_keys.size(1) == 3,
+           "qwen3_kernels.", op, ": seed_keys must be [", rows, ", 3], got ", seed_keys.sizes());
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  int num_sms = 0;
+  cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, logits.get_device());
+  const int splits = qwen3_kernels::sample_tokens_splits(rows, vocab, num_sms);
+  at::Tensor workspace;
+  if (splits > 1) workspace = at::empty({2 * rows * splits}, logits.options().dtype(at::kFloat));
+  check_launch(qwen3_kernels::sample_tokens(
+                   out.data_ptr<int64_t>(), logits.data_ptr(), temperatures.data_ptr<float>(),
+                   seed_keys.data_ptr<int64_t>(),
+                   splits > 1 ? workspace.data_ptr<float>() : nullptr, rows, vocab,
+                   logits.stride(0), splits, dt, c10::cuda::getCurrentCUDAStream()),
+               op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qwen3_kernels, ops) {
@@ -426,6 +477,9 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
   // out = x @ weight^T (CUTLASS sm90)
   ops.def("qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()");
   ops.impl("qkv_gemm", torch::kCUDA, &qkv_gemm);
+  // one token per row: argmax of logits / T - log(E), E ~ Exp(1) hashed from seed_keys; T <= 0 greedy
+  ops.def("sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()");
+  ops.impl("sample_tokens", torch::kCUDA, &sample_tokens);
 }
 
 // Importable as qwen3_kernels._C; loading it runs the registration above.

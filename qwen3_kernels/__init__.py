@@ -21,13 +21,14 @@ from .ops import (
     qk_norm_rope,
     qkv_gemm,
     rms_norm,
+    sample_tokens,
     silu_and_mul,
 )
 
 __all__ = [
     "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fused_add_rms_norm",
     "has_cuda_kernels", "paged_attention_decode", "paged_attention_prefill", "qk_norm_rope",
-    "qkv_gemm", "reference", "rms_norm", "silu_and_mul",
+    "qkv_gemm", "reference", "rms_norm", "sample_tokens", "silu_and_mul",
 ]
 __version__ = "0.1.0"
 

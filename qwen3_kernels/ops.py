@@ -40,6 +40,9 @@ SCHEMAS = {
         "float scale) -> ()"
     ),
     "qkv_gemm": "qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()",
+    "sample_tokens": (
+        "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
+    ),
 }
 
 try:
@@ -401,6 +404,46 @@ def qkv_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
 
 
 # ----------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seed_keys: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row of logits [N, V] -> out [N] int64, in one pass over the logits.
+
+    temperatures [N] fp32: T > 0 samples from softmax(logits / T), T <= 0 is greedy (argmax).
+    seed_keys [N, 3] int64, each in [0, 2^32): seed lo 32 bits, seed hi 32 bits, counter. The noise
+    is a hash of (seed_keys[r], token id) (``reference.seeded_exponential``): equal keys give equal
+    tokens whatever the other rows are; the caller varies the counter (or the seed) per step.
+    Rows of logits may be strided. Ties go to the lowest token id, as torch.argmax.
+    """
+    op = "sample_tokens"
+    _check_tensor(op, "logits", logits, ndim=2, dtypes=_FLOAT_DTYPES)
+    n, v = logits.shape
+    if v < 1:
+        _fail(op, f"logits must have at least one column, got shape {tuple(logits.shape)}")
+    _check_tensor(op, "temperatures", temperatures, ndim=1, dtype=torch.float32,
+                  device=logits.device)
+    _check_shape(op, "temperatures", temperatures, (n,))
+    _check_contiguous(op, "temperatures", temperatures)
+    _check_tensor(op, "seed_keys", seed_keys, ndim=2, dtype=torch.int64, device=logits.device)
+    _check_shape(op, "seed_keys", seed_keys, (n, 3))
+    _check_contiguous(op, "seed_keys", seed_keys)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    _check_tensor(op, "out", out, ndim=1, dtype=torch.int64, device=logits.device)
+    _check_shape(op, "out", out, (n,))
+    _check_contiguous(op, "out", out)
+    _run(op, True, out, logits, temperatures, seed_keys)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Reference implementations for the dispatcher (CPU always; every device without the extension)
 # and fake impls for tracing.
 # ----------------------------------------------------------------------------------------------
@@ -436,6 +479,10 @@ def _ref_qkv_gemm(out, x, weight):
     out.copy_(ref.qkv_gemm(x, weight))
 
 
+def _ref_sample_tokens(out, logits, temperatures, seed_keys):
+    out.copy_(ref.sample_tokens(logits, temperatures, seed_keys))
+
+
 _REFERENCE_IMPLS = {
     "silu_and_mul": _ref_silu_and_mul,
     "rms_norm": _ref_rms_norm,
@@ -444,6 +491,7 @@ _REFERENCE_IMPLS = {
     "paged_attention_decode": _ref_paged_attention_decode,
     "paged_attention_prefill": _ref_paged_attention_prefill,
     "qkv_gemm": _ref_qkv_gemm,
+    "sample_tokens": _ref_sample_tokens,
 }
 
 _lib_impl = torch.library.Library("qwen3_kernels", "IMPL")

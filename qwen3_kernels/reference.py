@@ -201,3 +201,61 @@ def paged_attention_prefill(
 def qkv_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T -> [T, N], fp32 accumulate."""
     return torch.matmul(x.float(), weight.float().t()).to(x.dtype)
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (split c in halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seed_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [N, V] fp32, a pure function of seed_keys [N, 3] int64 (seed lo 32 bits,
+    seed hi 32 bits, counter; each in [0, 2^32)) and the token id: a counter-based hash, so a row's
+    noise does not depend on the other rows. csrc/kernels/sample.cu computes the same hash."""
+    seed_lo, seed_hi, counter = seed_keys[:, 0:1], seed_keys[:, 1:2], seed_keys[:, 2:3]
+    row = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(_mul32(counter, 0x9E3779B1) ^ 0x68E31DA4)))
+    col = _mix32(_mul32(torch.arange(vocab_size, device=seed_keys.device), 0x27D4EB2F) ^ 0x165667B1)
+    h = _mix32(_mix32(row ^ col) ^ (row >> 7))
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
+    return -torch.log(u)
+
+
+def sample_scores(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed_keys: torch.Tensor
+) -> torch.Tensor:
+    """The scores sample_tokens maximises, [N, V] fp32: logits / T - log(E) with E ~ Exp(1) from
+    seeded_exponential for rows with T > 0 (an exponential race: argmax p_i / E_i picks token i
+    with probability p_i = softmax(logits / T)_i), and the logits themselves where T <= 0."""
+    x = logits.float()
+    t = temperatures.float().unsqueeze(1)
+    greedy = t <= 0
+    noise = seeded_exponential(seed_keys, x.shape[1])
+    return torch.where(greedy, x, x / torch.where(greedy, 1.0, t) - torch.log(noise))
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed_keys: torch.Tensor
+) -> torch.Tensor:
+    """One token per row -> [N] int64.
+
+    logits        [N, V] float
+    temperatures  [N] fp32; T <= 0 is greedy (argmax of the logits)
+    seed_keys     [N, 3] int64: seed lo 32 bits, seed hi 32 bits, counter (read where T > 0)
+    Ties go to the lowest token id (torch.argmax).
+    """
+    return sample_scores(logits, temperatures, seed_keys).argmax(dim=-1)

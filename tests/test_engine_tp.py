@@ -176,35 +176,57 @@ def test_keyboard_interrupt_on_rank0_stops_the_workers(ckpt, one_thread):
 
 
 # The same kill on two GPUs (NCCL), in a child process: a hang there must fail this test after
-# its timeout, not take the pytest process down with it.
+# its timeout, not take the pytest process down with it. A hung child prints every thread's stack
+# (faulthandler) before it is ended, so the failure shows where it hung.
 _KILL_SCRIPT = """
-import os, signal, sys
+import faulthandler, os, signal, sys
+faulthandler.dump_traceback_later(90, exit=True)
 from qwen3_model import LLM, SamplingParams
-from tests.test_engine_tp import PROMPTS, LONG, make_llm
+from tests.test_engine_tp import PROMPTS, LONG
 if __name__ == "__main__":
-    llm = make_llm(sys.argv[1], "cuda")
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_num_seqs=4,
+              max_num_batched_tokens=24, device="cuda", gpu_memory_utilization=0.3)
     pids = [proc.pid for proc, _ in llm._workers]
     print("PIDS", *pids, flush=True)
+    print("GRAPHS", len(llm.model_runner.graphs), flush=True)
     try:
         for i, _ in enumerate(llm.stream(PROMPTS, LONG)):
             if i == 2:
                 os.kill(pids[0], signal.SIGKILL)
+                print("KILLED", flush=True)
     except RuntimeError as e:
         print("RAISED", e, flush=True)
+    faulthandler.cancel_dump_traceback_later()
 """
 
 
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    """bf16 with head_dim 128: the engine runs our kernels and replays decode from CUDA graphs
+    (NCCL inside the graphs). The fp32 ``ckpt`` runs eagerly on the reference attention, whose
+    host syncs sit inside the forward."""
+    path = tmp_path_factory.mktemp("tp_bf16_hd128")
+    make_tiny_qwen3(path, dict(vocab_size=512, hidden_size=256, intermediate_size=512,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=128), dtype=torch.bfloat16)
+    return str(path)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(ckpt):
+@pytest.mark.parametrize("which", ["fp32_eager", "bf16_graphs"])
+def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(which, request):
     import subprocess
     import sys
 
+    path = request.getfixturevalue("ckpt")[0] if which == "fp32_eager" else request.getfixturevalue("bf16_ckpt")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, ckpt[0]], cwd=root, timeout=180,
+    out = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, path], cwd=root, timeout=150,
                          capture_output=True, text=True)
-    print(out.stdout, out.stderr[-3000:])
+    print(out.stdout, out.stderr[-6000:])
     pids = [int(p) for p in out.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
+    if which == "bf16_graphs":
+        assert "GRAPHS 0" not in out.stdout, "the bf16 engine did not capture graphs"
     assert "RAISED LLM: tensor-parallel worker rank 1" in out.stdout
     assert out.returncode == 0 and time.monotonic() - t0 < 120
     time.sleep(1)

@@ -97,8 +97,11 @@ class LLMEngine:
         except BaseException:
             _stop_workers(self._workers, world > 1, graceful=False)
             raise
+        # rank 0 on CUDA: a thread that aborts NCCL the moment a worker dies (see _NcclWatch)
+        self._watch = (_NcclWatch(self._workers) if self._workers and config.device == "cuda"
+                       else None)
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers, world > 1,
-                                           graphs=self.model_runner.graphs)
+                                           graphs=self.model_runner.graphs, watch=self._watch)
         self.tokenizer = self._load_tokenizer(config.model)
         self.scheduler = Scheduler(
             num_blocks=self.model_runner.num_blocks,
@@ -123,12 +126,7 @@ class LLMEngine:
         dead = _dead_worker(self._workers)
         if dead is None:
             return
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None and dist.is_initialized():
-            try:
-                abort()
-            except Exception:  # noqa: BLE001 - the error below is the one that matters
-                pass
+        _abort_nccl()  # (the watch thread has normally done it already)
         raise RuntimeError(f"LLM: {dead}")
 
     def _fail_tp(self, error: BaseException) -> None:
@@ -142,7 +140,8 @@ class LLMEngine:
             deadline = time.monotonic() + _FAIL_GRACE_S
             while (dead := _dead_worker(self._workers)) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        _stop_workers(self._workers, True, graceful=False, graphs=self.model_runner.graphs)
+        _stop_workers(self._workers, True, graceful=False, graphs=self.model_runner.graphs,
+                      watch=self._watch)
         self._finalizer.detach()  # done here; a later LLM's process group is not ours to destroy
         self._stopped = (f"a failed step stopped the tensor-parallel workers "
                          f"({dead or f'rank 0 raised {type(error).__name__}: {error}'})")
@@ -613,11 +612,14 @@ def _run_while_alive(workers: list, fn) -> None:
 
 
 def _stop_workers(workers: list, owns_group: bool, graceful: bool = True,
-                  graphs: dict | None = None) -> None:
+                  graphs: dict | None = None, watch: "_NcclWatch | None" = None) -> None:
     """Stop every worker (bounded: a worker that does not leave in time is killed), then this
     process's side of the group, after its CUDA graphs (``graphs``, cleared: the engine cannot
     replay them without the group anyway). ``graceful=False``: kill at once (they may be
-    mid-collective)."""
+    mid-collective), and abort NCCL rather than destroy the group (a destroy waits for
+    collectives that a killed peer will never join)."""
+    if watch is not None:
+        watch.stop()  # workers leaving on purpose are not a failure
     if graceful:
         for proc, conn in workers:
             try:
@@ -633,6 +635,54 @@ def _stop_workers(workers: list, owns_group: bool, graceful: bool = True,
         proc.join(timeout=_JOIN_TIMEOUT_S)  # SIGKILL cannot be ignored: this returns promptly
         conn.close()
     workers.clear()
+    if owns_group and not graceful:
+        _abort_nccl()  # (a no-op for gloo, whose collectives fail on a closed peer)
     if owns_group and dist.is_initialized():
         _release_graphs(graphs)
         dist.destroy_process_group()
+
+
+_ABORT_LOCK = threading.Lock()
+
+
+def _abort_nccl() -> bool:
+    """Abort this process's NCCL communicators: a collective waiting for a dead peer then ends,
+    and so does any host sync queued behind it. The group is gone afterwards. False where there is
+    nothing to abort (no group, or a gloo group)."""
+    with _ABORT_LOCK:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+            return False
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - the caller raises the error that names the dead worker
+            return False
+        return True
+
+
+class _NcclWatch:
+    """Rank 0 with tensor parallelism on CUDA: a daemon thread that waits on the workers' exit
+    sentinels. A worker that dies mid-step leaves this rank's NCCL collective waiting forever, and
+    with it whatever host sync is behind it: the step's event (which the runner polls, tp_watch)
+    but also a sync inside the forward (a reference op's .item() on the eager path), which no
+    polling in this thread could reach. The watch aborts NCCL at once, which ends the collective;
+    the engine then raises the error naming the worker (tp_watch, step, _fail_tp)."""
+
+    def __init__(self, workers: list):
+        self._sentinels = [proc.sentinel for proc, _ in workers]
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="qwen3-tp-nccl-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        from multiprocessing.connection import wait
+
+        while not self._stopped.is_set():
+            if wait(self._sentinels, timeout=0.2) and not self._stopped.is_set():
+                _abort_nccl()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)

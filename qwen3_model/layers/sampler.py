@@ -8,7 +8,10 @@ Sampling is an exponential race: token = argmax(p_i / E_i) with E_i ~ Exp(1) ind
 picks token i with probability p_i / sum(p) and needs no normalisation, no cumsum and no
 ``multinomial`` (which syncs). For a request with a seed, E_i comes from a counter-based hash of
 (seed, output position, token id) computed on the device: the same seed gives the same tokens
-whatever else is in the batch, and after a preemption.
+whatever else is in the batch, and after a preemption. Rows that filter nothing (temperature only,
+the common case) take the race in log space in one kernel, ``qwen3_kernels.sample_tokens``:
+argmax(logits / T - log E_i), one read of the logits, no softmax; the other rows use the tensor
+path (sort, softmax, the same seeded noise).
 """
 
 from __future__ import annotations
@@ -18,34 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import qwen3_kernels
+from qwen3_kernels.reference import seeded_exponential
 from qwen3_model.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), without int64 overflow (split c in halves)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [R, V] fp32, a pure function of keys [R, 3] int64 (seed lo, seed hi, counter)."""
-    seed_lo, seed_hi, counter = keys[:, 0:1], keys[:, 1:2], keys[:, 2:3]
-    row = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(_mul32(counter, 0x9E3779B1) ^ 0x68E31DA4)))
-    col = _mix32(_mul32(torch.arange(vocab_size, device=keys.device), 0x27D4EB2F) ^ 0x165667B1)
-    h = _mix32(_mix32(row ^ col) ^ (row >> 7))
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
-    return -torch.log(u)
 
 
 _SCALARS: dict[tuple[str, float], torch.Tensor] = {}
@@ -148,16 +128,44 @@ class SamplingBatch:
 
 
 class Sampler(nn.Module):
+    """Greedy rows: argmax. Rows with temperature only (the common case): one pass of the
+    ``sample_tokens`` kernel over the logits (score = logits / T - log(E), E ~ Exp(1) hashed from a
+    per-row key). Rows with top-k / top-p / min-p: the tensor path below (sort, softmax)."""
+
+    def __init__(self):
+        super().__init__()
+        # An unseeded row's key is (base, step, row): a random base per sampler, drawn from torch's
+        # default generator (torch.manual_seed makes a run repeatable), and a step count bumped on
+        # every call, written into a device buffer with one fill (no host-to-device copy).
+        self._base = int(torch.randint(0, 1 << 32, (1,)).item())
+        self._step = 0
+        self._keys: torch.Tensor | None = None  # [cap, 3] int64 (base, step, row)
+
+    def _row_keys(self, n: int, device) -> torch.Tensor:
+        """[n, 3] int64 keys for this call's unseeded rows (fresh noise on every call)."""
+        keys = self._keys
+        if keys is None or keys.shape[0] < n or keys.device != torch.device(device):
+            with torch.inference_mode(False):  # a normal tensor: updated in and out of that mode
+                keys = torch.zeros(max(n, 256), 3, dtype=torch.int64, device=device)
+                keys[:, 0] = self._base
+                keys[:, 2] = torch.arange(keys.shape[0], device=device)
+            self._keys = keys
+        self._step = (self._step + 1) & _M32
+        keys[:, 1].fill_(self._step)
+        return keys[:n]
+
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [N, V] -> token ids [N] int64."""
-        logits = logits.float()
         if batch.banned_rows is not None:
             # a Python scalar value: no host-to-device copy (and no sync) for it
             logits = logits.clone()
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1)  # in the logits' dtype: the fp32 copy would change nothing
+        if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+            return self._race(logits, batch)
+        logits = logits.float()
         temps = batch.temperatures
         # a true division either way (a Python float divisor would become a multiplication by
         # its reciprocal on CUDA, and a seeded row's tokens would then depend on its neighbours)
@@ -175,6 +183,20 @@ class Sampler(nn.Module):
         if batch.greedy_mask is not None:
             tokens = torch.where(batch.greedy_mask, logits.argmax(dim=-1), tokens)
         return tokens
+
+    def _race(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The exponential race in one kernel: greedy rows get temperature 0, seeded rows their
+        (seed, output position) key, the others (base, step, row)."""
+        n = logits.shape[0]
+        temps = batch.temperatures
+        temps = temps.expand(n).contiguous() if temps.dim() == 0 else temps
+        if batch.greedy_mask is not None:
+            temps = temps.masked_fill(batch.greedy_mask, 0.0)
+        keys = self._row_keys(n, logits.device)
+        if batch.seeded_rows is not None:
+            keys = keys.clone()
+            keys[batch.seeded_rows] = batch.seed_keys
+        return qwen3_kernels.sample_tokens(logits, temps, keys)
 
     @staticmethod
     def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):

@@ -87,4 +87,27 @@ cudaError_t qkv_gemm(void* out,        // [M, N]
                      void* workspace,  // qkv_gemm_workspace_size(m, n, k, dtype) bytes, any content
                      size_t workspace_bytes, DType dtype, cudaStream_t stream);
 
+// ---- sample.cu --------------------------------------------------------------------------------
+// out[r] = argmax_i score[r, i] (ties: lowest i), score = logits / T - log(E), E ~ Exp(1) from the
+// counter hash of (seed_keys[r], i) for T > 0, and score = logits for T <= 0 (greedy).
+enum class LogitsDType { kFloat16, kBFloat16, kFloat32 };
+constexpr int kMaxSampleSplits = 32;
+
+// CTAs per row: enough to cover the SMs twice over at small batch, chunks of >= 4096 logits
+inline int sample_tokens_splits(int64_t num_rows, int64_t vocab, int num_sms) {
+  int64_t s = num_rows > 0 ? (2 * static_cast<int64_t>(num_sms) + num_rows - 1) / num_rows : 1;
+  if (s > vocab / 4096) s = vocab / 4096;
+  if (s > kMaxSampleSplits) s = kMaxSampleSplits;
+  return s < 1 ? 1 : static_cast<int>(s);
+}
+
+cudaError_t sample_tokens(int64_t* out,                // [N]
+                          const void* logits,          // [N, V], row stride logits_stride
+                          const float* temperatures,   // [N]; <= 0: greedy
+                          const int64_t* seed_keys,    // [N, 3]: seed lo, seed hi, counter
+                          float* workspace,            // [2 * N * splits] (splits > 1)
+                          int64_t num_rows, int64_t vocab, int64_t logits_stride, int splits,
+                          LogitsDType dtype, cudaStream_t stream);
+
 }  // namespace qwen3_kernels
+

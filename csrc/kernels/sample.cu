@@ -1,0 +1,201 @@
+// sample_tokens: one token per row of the logits, greedy or sampled, in one pass over the logits.
+//
+// Sampling is an exponential race (the Gumbel-max trick in another form): with E_i ~ Exp(1)
+// independent, argmax_i p_i / E_i is distributed as p = softmax(logits / T). Taking logs,
+//   token = argmax_i  logits_i / T - log(E_i),
+// which needs neither the softmax nor its normalisation: each logit is read once, scored, and
+// reduced to the row's best (score, index). E_i = -log(u_i), u_i from a counter-based hash of the
+// row's key (seed lo, seed hi, counter) and the token id i, so a seeded request gets the same
+// tokens whatever else is in the batch; qwen3_kernels.reference.seeded_exponential is the same hash.
+// Rows with T <= 0 are greedy: score_i = logits_i. Ties go to the lowest index, as torch.argmax.
+//
+// Work split: CTA (row, split) scans one contiguous chunk of the row, so a small batch still covers
+// the SMs (batch 1 with a 152k vocab is 64 CTAs, not one); with splits > 1 the chunks' bests go to
+// the workspace and a one-warp-per-row pass picks each row's winner.
+#include <cfloat>
+#include <climits>
+
+#include "qwen3_kernels/common.cuh"
+
+namespace qwen3_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+// murmur3's 32-bit finaliser (the reference's _mix32)
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+__device__ __forceinline__ float load_one(const float* p) { return *p; }
+template <typename T>
+__device__ __forceinline__ float load_one(const T* p) { return to_float(*p); }
+
+// (score, index) pairs: a beats b when its score is higher, or equal with a lower index
+__device__ __forceinline__ bool beats(float sa, int ia, float sb, int ib) {
+  return sa > sb || (sa == sb && ia < ib);
+}
+
+__device__ __forceinline__ void warp_best(float& s, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float so = __shfl_xor_sync(0xffffffffu, s, o);
+    const int io = __shfl_xor_sync(0xffffffffu, i, o);
+    if (beats(so, io, s, i)) s = so, i = io;
+  }
+}
+
+struct Scorer {
+  bool greedy;
+  float temperature;
+  uint32_t row_key;
+
+  __device__ __forceinline__ float operator()(float x, uint32_t token) const {
+    if (greedy) return x;
+    const uint32_t col = mix32(token * 0x27D4EB2Fu ^ 0x165667B1u);
+    const uint32_t h = mix32(mix32(row_key ^ col) ^ (row_key >> 7));
+    const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+    const float e = -__logf(u);                                                  // Exp(1), > 0
+    return __fdiv_rn(x, temperature) - __logf(e);  // a true division, like the reference
+  }
+};
+
+// grid (rows, splits): the best (score, index) of logits[row, chunk * split : chunk * (split + 1)]
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+sample_tokens_kernel(int64_t* __restrict__ out,            // [N] (splits == 1)
+                     float* __restrict__ part_score,       // [N, splits] (splits > 1)
+                     int* __restrict__ part_index,         // [N, splits]
+                     const T* __restrict__ logits,         // [N, V], row stride `stride`
+                     const float* __restrict__ temperatures,  // [N]
+                     const int64_t* __restrict__ seed_keys,   // [N, 3]
+                     int vocab, int64_t stride, int chunk) {
+  const int row = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  Scorer score;
+  score.temperature = temperatures[row];
+  score.greedy = !(score.temperature > 0.0f);
+  score.row_key = 0;
+  if (!score.greedy) {
+    const int64_t* key = seed_keys + static_cast<int64_t>(row) * 3;
+    const uint32_t lo = static_cast<uint32_t>(key[0]), hi = static_cast<uint32_t>(key[1]);
+    const uint32_t counter = static_cast<uint32_t>(key[2]);
+    score.row_key = mix32(lo ^ mix32(hi ^ mix32(counter * 0x9E3779B1u ^ 0x68E31DA4u)));
+  }
+  const T* x = logits + static_cast<int64_t>(row) * stride;
+  const int begin = split * chunk;
+  const int end = min(vocab, begin + chunk);
+
+  float best = -INFINITY;
+  int best_i = INT_MAX;  // an all -inf row still picks its lowest index, as torch.argmax does
+  if constexpr (kVec) {
+    // 16-byte loads: the row start, the chunk bounds and the vocab are multiples of the width
+    constexpr int kW = 16 / sizeof(T);
+    for (int i = begin + threadIdx.x * kW; i < end; i += kThreads * kW) {
+      uint4 raw = *reinterpret_cast<const uint4*>(x + i);
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kW; ++j) {
+        const float s = score(load_one(v + j), static_cast<uint32_t>(i + j));
+        if (beats(s, i + j, best, best_i)) best = s, best_i = i + j;
+      }
+    }
+  } else {
+    for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+      const float s = score(load_one(x + i), static_cast<uint32_t>(i));
+      if (beats(s, i, best, best_i)) best = s, best_i = i;
+    }
+  }
+
+  __shared__ float s_score[kThreads / 32];
+  __shared__ int s_index[kThreads / 32];
+  warp_best(best, best_i);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) s_score[warp] = best, s_index[warp] = best_i;
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < kThreads / 32 ? s_score[lane] : -INFINITY;
+    best_i = lane < kThreads / 32 ? s_index[lane] : INT_MAX;
+    warp_best(best, best_i);
+    if (lane == 0) {
+      if (splits == 1) {
+        out[row] = best_i == INT_MAX ? 0 : best_i;
+      } else {
+        part_score[row * splits + split] = best;
+        part_index[row * splits + split] = best_i;
+      }
+    }
+  }
+}
+
+// one warp per row: the best of the row's `splits` (<= 32) chunk winners
+__global__ void sample_tokens_combine_kernel(int64_t* __restrict__ out, const float* __restrict__ part_score,
+                                             const int* __restrict__ part_index, int rows, int splits) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  float best = lane < splits ? part_score[row * splits + lane] : -INFINITY;
+  int best_i = lane < splits ? part_index[row * splits + lane] : INT_MAX;
+  warp_best(best, best_i);
+  if (lane == 0) out[row] = best_i == INT_MAX ? 0 : best_i;
+}
+
+template <typename T>
+cudaError_t launch(int64_t* out, const void* logits, const float* temperatures,
+                   const int64_t* seed_keys, float* workspace, int64_t rows, int64_t vocab,
+                   int64_t stride, int splits, cudaStream_t stream) {
+  constexpr int kW = 16 / sizeof(T);
+  const bool vec = vocab % kW == 0 && stride % kW == 0 &&
+                   reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  // chunks of whole vectors, so every chunk starts 16-byte aligned
+  int chunk = static_cast<int>((vocab + splits - 1) / splits);
+  chunk = (chunk + kW - 1) / kW * kW;
+  float* part_score = workspace;
+  int* part_index = reinterpret_cast<int*>(workspace + rows * splits);
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
+  const T* x = static_cast<const T*>(logits);
+  if (vec) {
+    sample_tokens_kernel<T, true><<<grid, kThreads, 0, stream>>>(
+        out, part_score, part_index, x, temperatures, seed_keys, static_cast<int>(vocab), stride,
+        chunk);
+  } else {
+    sample_tokens_kernel<T, false><<<grid, kThreads, 0, stream>>>(
+        out, part_score, part_index, x, temperatures, seed_keys, static_cast<int>(vocab), stride,
+        chunk);
+  }
+  if (splits > 1) {
+    constexpr int kRowsPerCta = 4;
+    sample_tokens_combine_kernel<<<static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta),
+                                   kRowsPerCta * 32, 0, stream>>>(out, part_score, part_index,
+                                                                  static_cast<int>(rows), splits);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t sample_tokens(int64_t* out, const void* logits, const float* temperatures,
+                          const int64_t* seed_keys, float* workspace, int64_t num_rows,
+                          int64_t vocab, int64_t logits_stride, int splits, LogitsDType dtype,
+                          cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  if (splits < 1 || splits > kMaxSampleSplits || vocab < 1 || vocab > INT_MAX / 2)
+    return cudaErrorInvalidValue;
+  switch (dtype) {
+    case LogitsDType::kFloat32:
+      return launch<float>(out, logits, temperatures, seed_keys, workspace, num_rows, vocab,
+                           logits_stride, splits, stream);
+    case LogitsDType::kFloat16:
+      return launch<__half>(out, logits, temperatures, seed_keys, workspace, num_rows, vocab,
+                            logits_stride, splits, stream);
+    default:
+      return launch<__nv_bfloat16>(out, logits, temperatures, seed_keys, workspace, num_rows,
+                                   vocab, logits_stride, splits, stream);
+  }
+}
+
+}  // namespace qwen3_kernels

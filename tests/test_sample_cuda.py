@@ -1,0 +1,117 @@
+"""CUDA: sample_tokens vs the fp32 reference (skips without a GPU).
+
+The kernel computes the reference's scores (logits / T - log E, the same hash for E) with fast
+logarithms, so a sampled token may differ from the reference's where two scores are within
+rounding; the check is that the kernel's token scores within TOL of the reference's best. Greedy
+rows must equal the reference exactly (ties: the lowest id), and so must every row whose best
+score is clear of the runner-up."""
+
+import pytest
+import torch
+
+import qwen3_kernels
+from qwen3_kernels import reference as ref
+from tests.helpers import requires_cuda
+
+pytestmark = requires_cuda
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def keys_for(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1 << 32, (n, 3), generator=g, dtype=torch.int64).cuda()
+
+
+def check(logits, temps, keys):
+    out = torch.full((logits.shape[0],), -7, dtype=torch.int64, device="cuda")  # poisoned
+    qwen3_kernels.sample_tokens(logits, temps, keys, out=out)
+    return verify(out, logits, temps, keys)
+
+
+def verify(out, logits, temps, keys):
+    scores = ref.sample_scores(logits, temps, keys)
+    best, want = scores.max(dim=-1)
+    assert (out >= 0).all() and (out < logits.shape[1]).all()
+    got = scores.gather(1, out.unsqueeze(1)).squeeze(1)
+    tol = 1e-4 * (1 + best.abs())
+    assert (got >= best - tol).all(), (got - best).min()
+    greedy = temps <= 0
+    assert torch.equal(out[greedy], logits[greedy].float().argmax(-1))
+    # rows with a clear winner: the very same token
+    second = scores.topk(2, dim=-1).values[:, 1] if logits.shape[1] > 1 else best - 1
+    clear = (best - second) > 2 * tol
+    assert torch.equal(out[clear], want[clear])
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 257])
+@pytest.mark.parametrize("vocab", [151936, 151937, 1000, 7])
+def test_matches_reference(n, vocab, dtype):
+    if n * vocab > 64 * 151937:
+        n = 64 * 151937 // vocab  # keeps the fp32 reference's memory small
+    logits = (torch.randn(n, vocab, device="cuda") * 4).to(dtype)
+    temps = torch.rand(n, device="cuda") * 1.5 + 0.05
+    temps[::3] = 0.0  # greedy rows in between
+    check(logits, temps, keys_for(n, seed=n + vocab))
+
+
+def test_strided_rows_and_a_misaligned_view():
+    wide = torch.randn(16, 50000, device="cuda", dtype=torch.bfloat16) * 3
+    temps = torch.full((16,), 0.9, device="cuda")
+    check(wide[:, :49992], temps, keys_for(16))      # row stride 50000: the vector path
+    check(wide[:, 3:40003], temps, keys_for(16, 1))  # rows start 6 bytes in: the scalar path
+
+
+def test_banned_and_all_minus_inf_rows():
+    logits = torch.randn(4, 4096, device="cuda")
+    logits[0, :] = float("-inf")  # nothing allowed: torch.argmax's answer, 0
+    logits[1, 100:] = float("-inf")
+    temps = torch.tensor([1.0, 1.0, 0.0, 0.5], device="cuda")
+    out = check(logits, temps, keys_for(4))
+    assert out[0].item() == 0 and out[1].item() < 100
+
+
+def test_follows_the_softmax_on_the_gpu():
+    x = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5, 0.2], device="cuda")
+    n = 50000
+    keys = keys_for(n, seed=11)
+    out = qwen3_kernels.sample_tokens(x.expand(n, -1).contiguous(), torch.full((n,), 0.7, device="cuda"), keys)
+    counts = torch.bincount(out, minlength=x.numel()).double()
+    expect = torch.softmax(x.double() / 0.7, 0) * n
+    chi2 = (((counts - expect) ** 2) / expect).sum().item()
+    assert chi2 < 45.0, (chi2, counts.tolist(), expect.tolist())
+
+
+def test_cuda_graph_replay_with_new_keys():
+    logits = torch.randn(32, 151936, device="cuda", dtype=torch.bfloat16) * 3
+    temps = torch.full((32,), 1.0, device="cuda")
+    keys = keys_for(32)
+    out = torch.empty(32, dtype=torch.int64, device="cuda")
+    qwen3_kernels.sample_tokens(logits, temps, keys, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps, keys)
+    first = out.clone()
+    keys.copy_(keys_for(32, seed=5))
+    out.fill_(-7)
+    g.replay()
+    torch.cuda.synchronize()
+    verify(out, logits, temps, keys)  # the replay read the new keys
+    assert not torch.equal(out, first)
+
+
+def test_raw_op_errors_and_opcheck():
+    logits = torch.randn(4, 64, device="cuda")
+    temps = torch.ones(4, device="cuda")
+    keys = keys_for(4)
+    out = torch.empty(4, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="temperatures must be"):
+        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps.double(), keys)
+    with pytest.raises(RuntimeError, match="seed_keys must be"):
+        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps, keys[:, :2].contiguous())
+    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
+        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps.cpu(), keys)
+    torch.library.opcheck(torch.ops.qwen3_kernels.sample_tokens.default, (out, logits, temps, keys))

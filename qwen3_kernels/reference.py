@@ -230,9 +230,16 @@ def seeded_exponential(seed_keys: torch.Tensor, vocab_size: int) -> torch.Tensor
     seed_lo, seed_hi, counter = seed_keys[:, 0:1], seed_keys[:, 1:2], seed_keys[:, 2:3]
     row = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(_mul32(counter, 0x9E3779B1) ^ 0x68E31DA4)))
     col = _mix32(_mul32(torch.arange(vocab_size, device=seed_keys.device), 0x27D4EB2F) ^ 0x165667B1)
-    h = _mix32(_mix32(row ^ col) ^ (row >> 7))
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in fp32, never 0 or 1
-    return -torch.log(u)
+    return exponential_of_hash(_mix32(_mix32(row ^ col) ^ (row >> 7)))
+
+
+def exponential_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """Exp(1) from 32 hashed bits h (int64 in [0, 2^32)), fp32, in [2^-24, 16.7]: never 0 or inf.
+    23 bits: u = (k + 0.5) / 2^23 is exact in fp32 and strictly inside (0, 1) (with 24 bits the top
+    value rounds to 1.0 and gives E = 0: a forced pick once in 2^24 tokens); log1p keeps
+    E = -log(1 - u) accurate down to its smallest value."""
+    u = ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    return -torch.log1p(-u)
 
 
 def sample_scores(

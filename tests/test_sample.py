@@ -55,6 +55,14 @@ def test_equal_keys_give_equal_tokens_whatever_the_other_rows():
     assert not torch.equal(a, b)
 
 
+def test_noise_is_positive_and_finite_at_the_hash_extremes():
+    """The smallest and largest hashes give 0 < E < inf (a 0 would force that token's pick)."""
+    h = torch.tensor([0, 1 << 9, (1 << 32) - (1 << 9), (1 << 32) - 1])
+    e = ref.exponential_of_hash(h)
+    assert torch.isfinite(e).all() and (e > 0).all(), e
+    assert e[0] < 1e-6 < 15 < e[-1]
+
+
 def test_scores_are_the_log_race():
     logits = torch.randn(3, 40, dtype=torch.bfloat16)
     temps = torch.tensor([0.8, 0.0, 1.0])

@@ -4,9 +4,9 @@
 // independent, argmax_i p_i / E_i is distributed as p = softmax(logits / T). Taking logs,
 //   token = argmax_i  logits_i / T - log(E_i),
 // which needs neither the softmax nor its normalisation: each logit is read once, scored, and
-// reduced to the row's best (score, index). E_i = -log(u_i), u_i from a counter-based hash of the
-// row's key (seed lo, seed hi, counter) and the token id i, so a seeded request gets the same
-// tokens whatever else is in the batch; qwen3_kernels.reference.seeded_exponential is the same hash.
+// reduced to the row's best (score, index). E_i = -log(1 - u_i), u_i from a counter-based hash of
+// the row's key (seed lo, seed hi, counter) and the token id i, so a seeded request gets the same
+// tokens whatever else is in the batch (the same hash as reference.seeded_exponential).
 // Rows with T <= 0 are greedy: score_i = logits_i. Ties go to the lowest index, as torch.argmax.
 //
 // Work split: CTA (row, split) scans one contiguous chunk of the row, so a small batch still covers
@@ -59,8 +59,10 @@ struct Scorer {
     if (greedy) return x;
     const uint32_t col = mix32(token * 0x27D4EB2Fu ^ 0x165667B1u);
     const uint32_t h = mix32(mix32(row_key ^ col) ^ (row_key >> 7));
-    const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
-    const float e = -__logf(u);                                                  // Exp(1), > 0
+    // exactly the reference's u in (0, 1) and E = -log(1 - u) (log1pf: accurate as E -> 2^-24;
+    // --use_fast_math leaves it alone, unlike logf)
+    const float u = (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
+    const float e = -log1pf(-u);  // Exp(1), in [2^-24, 16.7]
     return __fdiv_rn(x, temperature) - __logf(e);  // a true division, like the reference
   }
 };

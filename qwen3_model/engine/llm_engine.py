@@ -262,8 +262,21 @@ class LLMEngine:
 
     def _overlap(self) -> bool:
         """Whether generate / stream overlap the host's work with the device's (see _steps)."""
-        return (self.config.tensor_parallel_size == 1
-                and os.environ.get("QWEN3_OVERLAP_STEPS", "1") != "0")
+        return os.environ.get("QWEN3_OVERLAP_STEPS", "1") != "0"
+
+    def _tp_call(self, fn, *args, launch: bool = False):
+        """runner.launch / runner.wait in the overlapped loop. With tensor-parallel workers a
+        failure stops them all (``_fail_tp``), as in ``step``; ``launch`` first checks that no
+        worker died since the last step."""
+        if not self._workers:
+            return fn(*args)
+        try:
+            if launch and any(proc.exitcode is not None for proc, _ in self._workers):
+                raise RuntimeError("a worker died between steps")  # _fail_tp names it
+            return fn(*args)
+        except BaseException as e:
+            self._fail_tp(e)
+            raise
 
     def _steps(self) -> Iterator[tuple[list[Sequence], list[Sequence], int, int]]:
         """Run steps until every request is done; yields per step, in order, the sequences
@@ -292,17 +305,17 @@ class LLMEngine:
                 launched = None
                 if not sched.is_finished():
                     batch = self._schedule()
-                    launched = (batch, runner.launch(batch))
+                    launched = (batch, self._tp_call(runner.launch, batch, launch=True))
                 if inflight is not None:  # step k: read its tokens (k + 1 is queued behind it)
                     batch_k, pending_k, got_k, finished_k = inflight
                     inflight = None
-                    sched.fill(got_k, runner.wait(pending_k))
+                    sched.fill(got_k, self._tp_call(runner.wait, pending_k))
                     yield got_k, finished_k, batch_k.num_prefill_tokens, len(batch_k.decodes)
                 if launched is None:
                     return
                 batch, pending = launched
                 if sched.needs_tokens(pending.sample_seqs):
-                    got = sched.postprocess(batch, runner.wait(pending))
+                    got = sched.postprocess(batch, self._tp_call(runner.wait, pending))
                     yield got, sched.last_finished, batch.num_prefill_tokens, len(batch.decodes)
                 else:
                     got = sched.advance(batch)
@@ -491,6 +504,7 @@ def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn)
             if msg == "exit":
                 break
             runner.forward_plan(arg)
+            runner.receive_sampled(arg)  # rank 0's sampled tokens, for the next step's inputs
     except EOFError:  # rank 0 went away
         pass
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it

@@ -565,9 +565,9 @@ class ModelRunner:
         """Write the previous step's sampled tokens (on the device, not read back) into the rows
         that take them as input (stream order: after the copy above, before the forward)."""
         prev = self._last_sampled
-        if prev is None or self.worker_conns:
-            raise RuntimeError("a step takes tokens not read back yet, but no step of this rank "
-                               "sampled them (overlapped steps need tensor_parallel_size == 1)")
+        if prev is None:
+            raise RuntimeError("a step takes tokens not read back yet, but no earlier step left "
+                               "sampled tokens on this rank")
         n, start = plan.num_pending, plan.num_prefill_tokens
         if plan.pending_in_order:
             input_ids[start : start + n].copy_(prev[:n])
@@ -634,6 +634,18 @@ class ModelRunner:
         return self.model.compute_logits(last)  # collective across the TP ranks
 
     @torch.inference_mode()
+    def receive_sampled(self, plan: StepPlan) -> None:
+        """TP ranks > 0, after ``forward_plan``: the step's sampled tokens [N] int64, broadcast by
+        rank 0 (``launch``), kept on the device like rank 0 keeps its own, so that an overlapped
+        next step's pending rows (``_fill_pending``) read the same tokens on every rank."""
+        n = plan.num_tokens if plan.sample_rows is None else len(plan.sample_rows)
+        if n == 0:
+            return
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        dist.broadcast(tokens, src=0)
+        self._last_sampled = tokens
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Rank 0: run one step on every rank; returns the sampled token of each sequence whose
         chunk reached its last token, in batch order (what ``Scheduler.postprocess`` expects)."""
@@ -659,6 +671,8 @@ class ModelRunner:
         sampling = SamplingBatch.build(params, positions, banned, self.vocab_size, self.device)
         tokens = self.sampler(logits, sampling)  # [N] int64, on the device
         self._last_sampled = tokens  # the next step may take them as inputs before they are read
+        if self.worker_conns:  # ... on every rank: the other ranks get them from here
+            dist.broadcast(tokens, src=0)
         if not self.use_cuda:
             return PendingTokens(tokens, tokens, None, sample_seqs)
         # an asynchronous copy into pinned memory: the host waits on its event, not the stream

@@ -50,7 +50,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 # them a step. torch's one-shot all-reduce reads every peer's buffer directly over NVLink after one
 # device-side barrier. QWEN3_TP_ALLREDUCE=symm_mem turns it on for tensors of up to
 # ONE_SHOT_MAX_ROWS rows (decode); larger ones (prefill) stay on NCCL. Not measured yet: off by
-# default until a GPU round shows it faster and equal in output.
+# default until a GPU round shows it faster and equal in output. Also check then that a killed
+# worker still ends in an error: the one-shot barrier spins on the device, and aborting NCCL (the
+# engine's answer to a dead worker) may not release it.
 
 ONE_SHOT_MAX_ROWS = 512
 _ONE_SHOT: "_OneShotAllReduce | None" = None

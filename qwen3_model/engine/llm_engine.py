@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen3_model.config import Config
-from qwen3_model.distributed import release_one_shot_all_reduce
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -529,7 +528,6 @@ def _release_graphs(graphs: dict) -> None:
         graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    release_one_shot_all_reduce()  # its symmetric buffer was set up over the group too
 
 
 def _exit_when_orphaned(poll_s: float = 0.5) -> None:

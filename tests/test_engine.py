@@ -10,16 +10,8 @@ import torch
 
 from qwen3_model import LLM, SamplingParams
 from qwen3_model.random_checkpoint import char_tokenizer
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from tests.qwen3_tiny import make_tiny_qwen3
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny models' matrices are far too small for intra-op threads to pay off, and OpenMP
-    # spin-waits make a busy 2-core CI box up to ~15x slower with 2 threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 BS = 16  # the smallest block size the kernels take; prompts of 16 / 32 tokens fill 1 / 2 blocks

@@ -16,17 +16,10 @@ from qwen3_model import LLM, SamplingParams
 from qwen3_model.engine import model_runner as mr
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.random_checkpoint import char_tokenizer
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from tests.qwen3_tiny import make_tiny_qwen3
 
 BS = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,12 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
             assert n_pre == 0 and n_dec == num_seqs, "the profiled steps must be pure decode"
     replayed = runner.num_graph_steps - graph_steps
     llm.scheduler.abort_all()
-    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+    # kernels only: an eager op (aten::mm, say) also carries its kernels' time, and counting both
+    # doubled the eager part of the step (the 2026-11-30 profile in RESULTS.md did)
+    from torch.autograd import DeviceType
+
+    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0
+                   and getattr(e, "device_type", None) == DeviceType.CUDA),
                   key=lambda e: -e.self_device_time_total)
     gpu_us = sum(e.self_device_time_total for e in rows) / steps
     if gpu_us == 0:

@@ -201,3 +201,48 @@ def test_qkv_gemm_gemv_vs_cublas(model, t, report):
     print(f"\n[gemv] {model} N={n} K={k} T={t}: cublas {base * 1e6:.1f} "
           f"({nbytes / base / 1e12:.2f} TB/s), auto {auto * 1e6:.1f} "
           f"({nbytes / auto / 1e12:.2f} TB/s), {line}")
+
+
+# Every projection of the model at decode sizes: what qwen3_model/layers/linear.py's GEMV_MAX_TOKENS
+# rule runs (our table's choice at T = 1, the GEMV) next to cuBLAS, per shape, so a shape where
+# cuBLAS wins is visible. Shapes from qwen3_model.random_checkpoint.QWEN3_SIZES (head_dim 128,
+# vocab 151936); "tp2" is one rank's slice under tensor parallel 2 (column-parallel: N / 2;
+# row-parallel: K / 2; the LM head is vocab-parallel).
+def _linear_shapes(size, tp):
+    from qwen3_model.random_checkpoint import QWEN3_SIZES
+
+    hidden, _, heads, kv, inter, _ = QWEN3_SIZES[size]
+    return {
+        "qkv": ((heads + 2 * kv) * 128 // tp, hidden),
+        "o": (hidden, heads * 128 // tp),
+        "gate_up": (2 * inter // tp, hidden),
+        "down": (hidden, inter // tp),
+        "lm_head": (151936 // tp, hidden),
+    }
+
+
+LINEAR_CASES = [(size, tp, proj, t) for size, tp in (("0.6B", 1), ("8B", 1), ("8B", 2))
+                for proj in ("qkv", "o", "gate_up", "down", "lm_head") for t in (1, 2)]
+
+
+@pytest.mark.parametrize("size,tp,proj,t", LINEAR_CASES,
+                         ids=[f"{s}-tp{p}-{j}-T{t}" for s, p, j, t in LINEAR_CASES])
+def test_linear_shapes_vs_cublas(size, tp, proj, t, report):
+    n, k = _linear_shapes(size, tp)[proj]
+    sets = _sets(t, n, k)
+    calls = max(len(sets), 8)
+    base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
+                    calls_per_replay=calls)
+
+    def run():
+        s = time_gpu(_ours(sets), calls_per_replay=calls)
+        _guard(sets)
+        return s
+
+    times = {c: _with_force(c, run) for c in ["auto"] + (GEMV if t <= 8 else [])}
+    nbytes = (n * k + t * k + t * n) * 2
+    report("linear", f"{size} tp{tp} {proj} N={n} K={k} T={t} auto", times["auto"],
+           {"cublas": base}, nbytes=nbytes)
+    line = ", ".join(f"{c} {s * 1e6:.1f} ({nbytes / s / 1e12:.2f} TB/s)" for c, s in times.items())
+    print(f"\n[linear] {size} tp{tp} {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} "
+          f"({nbytes / base / 1e12:.2f} TB/s), {line}; cublas/auto {base / times['auto']:.2f}x")

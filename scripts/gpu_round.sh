@@ -57,13 +57,15 @@ fi
 if [ "$TESTS" != none ]; then
   # One pytest process per file: a crash in one file cannot hide the others' results.
   : > "$OUT/tests.log"
-  for f in $TESTS; do
+  for f in $TESTS; do  # FILE@EXPR runs FILE -k EXPR ('+' for spaces), as above
     start=$(date +%s)
+    kexpr=()
+    if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
     # faulthandler_timeout (built into pytest) dumps every thread's stack when one test runs past
     # TEST_TIMEOUT, so a hang shows where it is; FILE_TIMEOUT then kills the file's process.
     timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
-      -p no:cacheprovider "$f" ${PYTEST_ARGS:-} >> "$OUT/tests.log" 2>&1
-    echo "tests $f: rc=$? $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1) ($(( $(date +%s) - start )) s)"
+      -p no:cacheprovider "$f" "${kexpr[@]}" ${PYTEST_ARGS:-} >> "$OUT/tests.log" 2>&1
+    echo "tests $f ${kexpr[*]}: rc=$? $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1) ($(( $(date +%s) - start )) s)"
   done
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi

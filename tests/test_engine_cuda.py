@@ -157,10 +157,13 @@ def test_tp2_fp32_matches_transformers(tmp_path):
 
 
 @requires_2_gpus
-def test_tp2_bf16_with_cuda_graphs(stable_ckpt):
-    """TP=2 with graph-replayed decode (all-reduce inside the graphs) gives TP=1's greedy tokens.
+@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem"])
+def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
+    """TP=2 with graph-replayed decode (all-reduce inside the graphs) gives TP=1's greedy tokens,
+    with NCCL's all-reduce and with the opt-in one-shot one (QWEN3_TP_ALLREDUCE=symm_mem).
     The two sum the row-parallel layers in another order in bf16, so a near-tie may still flip a
     late token: every prompt's first token and most prompts' 24 tokens must be equal."""
+    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", allreduce)  # the spawned worker inherits it
     prompts = prompts_of([5, 17, 64, 100, 3, 33, 48, 9], seed=4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(kvcache_block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
@@ -178,6 +181,7 @@ def test_tp2_bf16_with_cuda_graphs(stable_ckpt):
     assert all(len(o) == 24 for o in outs)
     prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), 24) for o, r in zip(outs, ref)]
     equal = sum(p == 24 for p in prefix)
-    print(f"\nTP=2 vs TP=1 greedy (bf16, kernels, graphs): all 24 tokens equal on {equal}/8 prompts; "
+    print(f"\nTP=2 ({allreduce}) vs TP=1 greedy (bf16, kernels, graphs): all 24 tokens equal "
+          f"on {equal}/8 prompts; "
           f"equal prefix per prompt {prefix}")
     assert all(p >= 1 for p in prefix) and equal >= 6, prefix

@@ -73,11 +73,11 @@ def hf_logits(model, ids):
 @pytest.mark.parametrize("qkv_gemm", ["default", "forced"])
 def test_prefill_logits_bf16_vs_transformers(models, qkv_gemm, monkeypatch):
     """'forced': our CUTLASS QKV GEMM at every token count (by default only large prefills use it)."""
-    from qwen3_model.layers import attention
+    from qwen3_model.layers import linear
 
     if qkv_gemm == "forced":
-        monkeypatch.setattr(attention, "USE_QKV_GEMM", True)
-        monkeypatch.setattr(attention, "QKV_GEMM_MIN_TOKENS", 1)
+        monkeypatch.setattr(linear, "USE_OUR_GEMM", True)
+        monkeypatch.setattr(linear, "QKV_GEMM_MIN_TOKENS", 1)
     ours, hf16, hf32 = models
     ps = prompts(PROMPT_LENS)
     runner = PagedRunner(ours, num_blocks=128, block_size=16, poison=False, pad_block=0)

@@ -107,7 +107,7 @@ def test_qkv_gemm_each_config(config, t, n, k, dtype, force):
     _check(x, w, out)
 
 
-# gemv (M <= 8, not in the choice table yet): every weight-rows-per-warp variant on every shape
+# gemv (M <= 8; the choice table takes it at M = 1): every weight-rows-per-warp variant on every shape
 # case above with T <= 8, plus T = 1, 3, 8 on every shape (T = 3 runs as 4 with a masked row).
 GEMV_VARIANTS = ["gemv", "gemv:1", "gemv:2", "gemv:4"]
 GEMV_SHAPE_CASES = sorted(

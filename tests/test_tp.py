@@ -166,3 +166,15 @@ def test_weight_loaders_split_like_vllm(monkeypatch, tp):
 
         with pytest.raises(ValueError, match=r"expected shape \(16, 24\), got \(8, 24\)"):
             qkv.weight.weight_loader(qkv.weight, k[:8], "k")
+
+
+def test_tp_allreduce_choice_is_checked(monkeypatch):
+    """QWEN3_TP_ALLREDUCE: 'nccl' (default) or the opt-in 'symm_mem'; anything else is a clear
+    error; at world size 1 there is nothing to set up."""
+    from qwen3_model.distributed import init_one_shot_all_reduce
+
+    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "fast")
+    with pytest.raises(ValueError, match="QWEN3_TP_ALLREDUCE must be 'nccl' or 'symm_mem', got 'fast'"):
+        init_one_shot_all_reduce(64, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "symm_mem")
+    assert init_one_shot_all_reduce(64, torch.float32, torch.device("cpu")) is False

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen3_model.config import Config
+from qwen3_model.distributed import release_one_shot_all_reduce
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -528,6 +530,7 @@ def _release_graphs(graphs: dict) -> None:
         graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    release_one_shot_all_reduce()  # its symmetric buffer was set up over the group too
 
 
 def _exit_when_orphaned(poll_s: float = 0.5) -> None:
@@ -649,29 +652,55 @@ def _stop_workers(workers: list, owns_group: bool, graceful: bool = True,
         proc.join(timeout=_JOIN_TIMEOUT_S)  # SIGKILL cannot be ignored: this returns promptly
         conn.close()
     workers.clear()
+    stuck = False
     if owns_group and not graceful:
-        _abort_nccl()  # (a no-op for gloo, whose collectives fail on a closed peer)
-    if owns_group and dist.is_initialized():
+        if graphs:
+            graphs.clear()  # no sync: a replay may be waiting for the dead peer until the abort
+        # (a no-op for gloo, whose collectives fail on a closed peer)
+        stuck = not _abort_nccl() and _ABORT_THREAD[0] is not None and _ABORT_THREAD[0].is_alive()
+        if stuck:
+            warnings.warn(f"LLM: NCCL's abort did not finish within {_ABORT_WAIT_S:.0f} s; this "
+                          "process's tensor-parallel group is left as it is (a new LLM in this "
+                          "process cannot use NCCL)", RuntimeWarning, stacklevel=2)
+    if owns_group and dist.is_initialized() and not stuck:
         _release_graphs(graphs)
         dist.destroy_process_group()
 
 
 _ABORT_LOCK = threading.Lock()
+_ABORT_THREAD: list = [None]  # the abort in flight (or done), shared by the watch and the main thread
+# How long a failing engine waits for NCCL's abort before it raises anyway. On two H200s with CUDA
+# graphs (torch 2.11, NCCL P2P/CUMEM), the abort of a communicator whose captured all-reduce waits
+# for a killed peer did not return within 90 s (2026-11-30); the engine must not hang on it.
+_ABORT_WAIT_S = 10.0
 
 
-def _abort_nccl() -> bool:
+def _abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
     """Abort this process's NCCL communicators: a collective waiting for a dead peer then ends,
-    and so does any host sync queued behind it. The group is gone afterwards. False where there is
-    nothing to abort (no group, or a gloo group)."""
+    and so does any host sync queued behind it. The group is gone afterwards.
+
+    The abort runs in a daemon thread (one at a time; a second caller joins the one in flight),
+    waited for at most ``wait_s``: True when it finished, False when there was nothing to abort
+    (no group, or a gloo group) or it is still running (then the group must not be destroyed
+    either: that would wait for the same collectives)."""
     with _ABORT_LOCK:
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is None or not dist.is_initialized() or dist.get_backend() != "nccl":
-            return False
-        try:
-            abort()
-        except Exception:  # noqa: BLE001 - the caller raises the error that names the dead worker
-            return False
-        return True
+        thread = _ABORT_THREAD[0]
+        if thread is None or not thread.is_alive():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+                return False
+
+            def run():
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001 - the caller raises the error that names the dead worker
+                    pass
+
+            thread = threading.Thread(target=run, daemon=True, name="qwen3-nccl-abort")
+            _ABORT_THREAD[0] = thread
+            thread.start()
+    thread.join(wait_s)
+    return not thread.is_alive()
 
 
 class _NcclWatch:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import qwen3_kernels
 from qwen3_model.config import Config
+from qwen3_model.distributed import init_one_shot_all_reduce
 from qwen3_model.engine.scheduler import ScheduledBatch
 from qwen3_model.engine.sequence import Sequence
 from qwen3_model.layers.sampler import Sampler, SamplingBatch
@@ -186,6 +187,8 @@ class ModelRunner:
 
             load_model(self.model, config.model)
         self.model.eval()
+        if self.world_size > 1:  # opt-in (QWEN3_TP_ALLREDUCE=symm_mem); a collective: every rank
+            init_one_shot_all_reduce(hf.hidden_size, config.torch_dtype, self.device)
         self.sampler = Sampler()
         self.attn_modules = [m for m in self.model.modules()
                              if hasattr(m, "k_cache") and hasattr(m, "v_cache")]

@@ -8,36 +8,10 @@ K / V into the cache; then the prefill part and the decode part each run their o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import qwen3_kernels
 from qwen3_model.utils.context import get_context
-
-# The fused QKV projection goes through our CUTLASS GEMM on CUDA in bf16 / fp16 for prefill-sized
-# batches, where benchmarks/bench_qkv_gemm.py measured it at 0.93-1.06x cuBLAS (2026-11-29, H200);
-# below QKV_GEMM_MIN_TOKENS cuBLAS was faster (0.5-0.9x for T <= 256), so cuBLAS (F.linear) runs.
-# Set USE_QKV_GEMM = False to compare against cuBLAS everywhere.
-USE_QKV_GEMM = True
-QKV_GEMM_MIN_TOKENS = 2048
-
-
-def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, hidden] @ weight [N, hidden]^T (+ bias [N]) -> [T, N]."""
-    use_kernel = (
-        USE_QKV_GEMM
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and qwen3_kernels.has_cuda_kernels()
-        and x.shape[0] >= QKV_GEMM_MIN_TOKENS
-        and weight.shape[0] % 8 == 0
-        and weight.shape[1] % 8 == 0
-    )
-    if not use_kernel:
-        return F.linear(x, weight, bias)
-    out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
-    return out.add_(bias) if bias is not None else out
-
 
 class Attention(nn.Module):
     """Paged GQA attention for this rank's heads.

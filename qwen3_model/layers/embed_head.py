@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen3_model.distributed import all_reduce, divide, gather_to_rank0, get_tp_rank, get_tp_world_size
-from qwen3_model.layers.linear import check_loaded_shape
+from qwen3_model.layers.linear import check_loaded_shape, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,6 +55,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         Every rank must call it (the gather is collective).
         """
-        logits = F.linear(hidden, self.weight)  # [N, vocab / tp]
+        logits = linear(hidden, self.weight)  # [N, vocab / tp]
         logits = gather_to_rank0(logits, dim=-1)
         return None if logits is None else logits.float()

@@ -13,11 +13,52 @@ them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import qwen3_kernels
 from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
+
+# Which GEMM runs a projection on CUDA (bf16 / fp16): our qkv_gemm where benchmarks/bench_qkv_gemm.py
+# measured it faster than cuBLAS on the H200, cuBLAS (F.linear) everywhere else.
+#   - GEMV_MAX_TOKENS: every projection (qkv, o, gate_up, down, LM head) with at most this many
+#     tokens. At T = 1 the kernel's table picks the weight-streaming GEMV, 1.02-1.61x cuBLAS on the
+#     QKV shapes and on the other projections' shapes too (RESULTS.md, "linear shapes at T = 1");
+#     at T = 3 it was already 0.93-1.08x, so 1. QWEN3_GEMV_MAX_TOKENS=0 runs cuBLAS there instead,
+#     to compare the two in an engine benchmark.
+#   - QKV_GEMM_MIN_TOKENS: the fused QKV projection from this many tokens on (the CUTLASS tiles,
+#     0.93-1.12x cuBLAS at T >= 2048; below it down to T = 3, cuBLAS was faster: 0.5-0.97x).
+USE_OUR_GEMM = True
+GEMV_MAX_TOKENS = int(os.environ.get("QWEN3_GEMV_MAX_TOKENS", "1"))
+QKV_GEMM_MIN_TOKENS = 2048
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           min_tokens: int | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out].
+
+    Our GEMM when T <= GEMV_MAX_TOKENS, or when T >= min_tokens (None: never); cuBLAS otherwise,
+    and always off CUDA, in fp32, or where the kernel's N, K multiple-of-8 rule does not hold.
+    """
+    t = x.shape[0]
+    use_kernel = (
+        USE_OUR_GEMM
+        and (t <= GEMV_MAX_TOKENS or (min_tokens is not None and t >= min_tokens))
+        and x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.shape[0] % 8 == 0
+        and weight.shape[1] % 8 == 0
+        and qwen3_kernels.has_cuda_kernels()
+    )
+    if not use_kernel:
+        return F.linear(x, weight, bias)
+    out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
+    return out.add_(bias) if bias is not None else out
 
 
 def check_loaded_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -52,7 +93,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_local] -> [T, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -147,6 +188,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         check_loaded_shape(loaded, (full, *param.shape[1:]))
         param.data.narrow(0, offset, n).copy_(loaded.narrow(0, head0 * d, n))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, (Hq + 2 Hkv) * D]
+        return linear(x, self.weight, self.bias, min_tokens=QKV_GEMM_MIN_TOKENS)
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial products are summed by an all-reduce.
@@ -168,5 +212,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

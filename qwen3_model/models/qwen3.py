@@ -16,7 +16,7 @@ from torch import nn
 
 from qwen3_model.distributed import divide, get_tp_world_size
 from qwen3_model.layers.activation import SiluAndMul
-from qwen3_model.layers.attention import Attention, qkv_projection
+from qwen3_model.layers.attention import Attention
 from qwen3_model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from qwen3_model.layers.layernorm import RMSNorm
 from qwen3_model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -72,7 +72,7 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        qkv = qkv_projection(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         o = self.attn(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin_cache)
         return self.o_proj(o)
 

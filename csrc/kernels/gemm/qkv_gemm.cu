@@ -59,7 +59,7 @@ constexpr Choice splitk(int s) { return {Config::kSplitK, Decomposition::kSplitK
 [[maybe_unused]] constexpr Choice splitk_pdl(int s) {
   return {Config::kSplitKPdl, Decomposition::kSplitK, s};
 }
-[[maybe_unused]] constexpr Choice gemv(int rows_per_warp) {
+constexpr Choice gemv(int rows_per_warp) {
   return {Config::kGemv, Decomposition::kSplitK, rows_per_warp};
 }
 constexpr Choice swap(Decomposition d) { return {Config::kSwap128x64, d, 0}; }
@@ -73,6 +73,11 @@ constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
 // of N * K elements takes the first column whose bound it does not exceed, so each Qwen3 shape is
 // its own column and other shapes take the next larger one. fp16 uses the bf16 choices.
 // What the measurement showed:
+//   - M = 1: the weight-streaming GEMV, rows per warp by N (gemv(0): gemv_default_rows_per_warp,
+//     2, or 4 for N = 8192..16384 such as 32B), measured 2026-11-30
+//     (bench_qkv_gemm.py's gemv rows, RESULTS.md): 1.02-1.61x cuBLAS and 1.12-1.29x split-K on
+//     every shape (8B: 14.7 us, 3.41 TB/s, vs cuBLAS 16.3 and split-K 16.7). At M = 3 and 8 it
+//     lost to cuBLAS (0.67-1.08x), so split-K keeps M = 2..8.
 //   - M <= 32: the hand-written split-K streams fastest with 4 splits (all CTAs resident at once,
 //     clusters of 4); 32B (160 row blocks) with 2 or 3, since 4 x 160 CTAs need a second wave.
 //     4 splits beat the old SM-count default (5 or 8 splits) by up to 27% (8B M=1: 16.6 vs
@@ -100,6 +105,7 @@ struct Row {
 
 constexpr Row kTable[] = {
     //            0.6B       1.7B       4B         8B         14B        32B
+    {1,        {gemv(0),   gemv(0),   gemv(0),   gemv(0),   gemv(0),   gemv(0)}},
     {8,        {splitk(4), splitk(4), splitk(4), splitk(4), splitk(4), splitk(2)}},
     {16,       {splitk(4), splitk(4), splitk(4), splitk(4), splitk(4), splitk(3)}},
     {32,       {splitk(4), splitk(4), splitk(4), splitk(4), splitk(4), swap(SK)}},

@@ -60,6 +60,6 @@ int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count);
 // rows over the whole K. Builds for sm_80 too. Not in the choice table yet (unmeasured).
 constexpr int kGemvMaxM = 8;
 cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp);
-int gemv_default_rows_per_warp(int64_t m);
+int gemv_default_rows_per_warp(int64_t m, int64_t n);
 
 }  // namespace qwen3_kernels::qkv_gemm_detail

@@ -193,14 +193,19 @@ cudaError_t launch_for_m(const Problem& p, int rows_per_warp) {
 
 }  // namespace
 
-int gemv_default_rows_per_warp(int64_t m) {
-  // Unmeasured guess: at 1..2 tokens the FMAs are cheap, so 2 rows a warp (twice the warps of 4,
-  // more latency hiding); from 3 tokens on, 4 rows a warp halve the x loads and converts per FMA.
-  return m <= 2 ? 2 : 4;
+int gemv_default_rows_per_warp(int64_t m, int64_t n) {
+  // From 3 tokens on, 4 rows a warp halve the x loads and converts per FMA (unmeasured guess).
+  if (m > 2) return 4;
+  // At 1 token (bench_qkv_gemm.py, H200, 2026-11-30, every projection of 0.6B / 8B / 8B TP 2 and
+  // the QKV of every size): 2 rows a warp were fastest or within 1% everywhere except
+  // N = 10240..12288 (32B QKV, 8B gate_up under TP 2: 4 rows 26 vs 28 us), where 4 rows still
+  // leave 640..768 CTAs; below 8192 rows 4 rows a warp leave too few CTAs (8B down, N 4096:
+  // 35 vs 27 us), and at N = 24576 (8B gate_up) 4 rows were slower again (54 vs 51 us).
+  return (n >= 8192 && n <= 16384) ? 4 : 2;
 }
 
 cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp) {
-  if (rows_per_warp == 0) rows_per_warp = gemv_default_rows_per_warp(p.m);
+  if (rows_per_warp == 0) rows_per_warp = gemv_default_rows_per_warp(p.m, p.n);
   if (p.m < 1 || p.m > kGemvMaxM || p.n % 8 != 0 || p.k % 8 != 0 || p.n < 8 || p.k < 8 ||
       p.n > (int64_t{1} << 30) || p.k > (int64_t{1} << 30)) {
     return cudaErrorNotSupported;

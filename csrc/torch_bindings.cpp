@@ -343,8 +343,9 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
 // qkv_gemm
 // ---------------------------------------------------------------------------------------------
 
-// Hopper runs our CUTLASS / hand-written kernels (kernels/gemm/); any other GPU gets cuBLAS through
-// at::mm_out: the same result, so the op works everywhere the extension loads.
+// Hopper runs our CUTLASS / hand-written kernels (kernels/gemm/) where the choice table measured
+// them faster than cuBLAS, and cuBLAS (at::mm_out) where it did not; any other GPU gets cuBLAS:
+// the same result, so the op works everywhere the extension loads.
 void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   const char* op = "qkv_gemm";
   check_cuda(x, x, op, "x");
@@ -373,6 +374,10 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   }
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
+  if (qwen3_kernels::qkv_gemm_prefers_cublas(m, n, k)) {  // measured faster there (the table)
+    at::mm_out(out, x, weight.t());
+    return;
+  }
   // Stream-K partials where the chosen configuration needs them: from the caching allocator on
   // the current stream, so this stays CUDA-graph capturable.
   const size_t ws_bytes = qwen3_kernels::qkv_gemm_workspace_size(m, n, k, dt);

@@ -49,10 +49,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 # graph (benchmarks/allreduce_latency.py, RESULTS.md 2026-11-30), and Qwen3-8B decode does 72 of
 # them a step. torch's one-shot all-reduce reads every peer's buffer directly over NVLink after one
 # device-side barrier. QWEN3_TP_ALLREDUCE=symm_mem turns it on for tensors of up to
-# ONE_SHOT_MAX_ROWS rows (decode); larger ones (prefill) stay on NCCL. Not measured yet: off by
-# default until a GPU round shows it faster and equal in output. Also check then that a killed
-# worker still ends in an error: the one-shot barrier spins on the device, and aborting NCCL (the
-# engine's answer to a dead worker) may not release it.
+# ONE_SHOT_MAX_ROWS rows (decode); larger ones (prefill) stay on NCCL. Measured on two H200s
+# (RESULTS.md, 2026-11-30 evening): 7.5 vs 12.9 us per [1, 4096] all-reduce alone, same greedy
+# tokens as NCCL, but Qwen3-8B TP-2 batch-1 decode was slower with it (295.4 vs 303.9 tok/s), so
+# it stays off by default. Not checked: whether a killed worker still ends in an error with it on
+# (the one-shot barrier spins on the device, and aborting NCCL may not release it).
 
 ONE_SHOT_MAX_ROWS = 512
 _ONE_SHOT: "_OneShotAllReduce | None" = None

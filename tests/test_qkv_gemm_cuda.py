@@ -228,6 +228,18 @@ def test_qkv_gemm_pdl_orders_after_the_previous_kernel(config, force):
         _check(mid, w2, out)
 
 
+def test_qkv_gemm_runs_cublas_where_the_table_says_so(force):
+    # T = 16 on the 8B shape is a cuBLAS cell of the table (cuBLAS measured faster): the op's
+    # output must then be cuBLAS's own, bit for bit; forcing "cublas" gives the same anywhere.
+    n, k = QKV_SHAPES["8B"]
+    for config, t in (("auto", 16), ("cublas", 1), ("cublas", 300)):
+        force(config)
+        x, w = _inputs(t, n, k, torch.bfloat16, seed=t)
+        out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        assert torch.equal(out, torch.matmul(x, w.t())), (config, t)
+
+
 def test_qkv_gemm_opcheck():
     n, k = 4104, 1032
     for t in (3, 300):

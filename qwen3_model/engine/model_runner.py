@@ -348,7 +348,7 @@ class ModelRunner:
         finally:
             reset_context()
         rows = min(cfg.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:rows])
+        logits = self.model.compute_logits(hidden[:rows], dtype=None)  # as a step's (below)
         if logits is not None:
             from qwen3_model.sampling_params import SamplingParams
 
@@ -634,7 +634,8 @@ class ModelRunner:
             last = hidden[self._sample_index]
         else:  # a graph step with a one-token prompt chunk among its rows (rare)
             last = hidden[self._to_device(plan.sample_rows, torch.int64)]
-        return self.model.compute_logits(last)  # collective across the TP ranks
+        # collective across the TP ranks; the model's dtype, which the sampler reads as it is
+        return self.model.compute_logits(last, dtype=None)
 
     @torch.inference_mode()
     def receive_sampled(self, plan: StepPlan) -> None:

@@ -22,31 +22,32 @@ from torch import nn
 import qwen3_kernels
 from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
 
-# Which GEMM runs a projection on CUDA (bf16 / fp16): our qkv_gemm where benchmarks/bench_qkv_gemm.py
+# Which GEMM runs a projection on CUDA (bf16 / fp16): our qkv_gemm op where benchmarks/bench_qkv_gemm.py
 # measured it faster than cuBLAS on the H200, cuBLAS (F.linear) everywhere else.
-#   - GEMV_MAX_TOKENS: every projection (qkv, o, gate_up, down, LM head) with at most this many
-#     tokens. At T = 1 the kernel's table picks the weight-streaming GEMV, 1.02-1.61x cuBLAS on the
-#     QKV shapes and on the other projections' shapes too (RESULTS.md, "linear shapes at T = 1");
-#     at T = 3 it was already 0.93-1.08x, so 1. QWEN3_GEMV_MAX_TOKENS=0 runs cuBLAS there instead,
-#     to compare the two in an engine benchmark.
-#   - QKV_GEMM_MIN_TOKENS: the fused QKV projection from this many tokens on (the CUTLASS tiles,
-#     0.93-1.12x cuBLAS at T >= 2048; below it down to T = 3, cuBLAS was faster: 0.5-0.97x).
+#   - The fused QKV projection always calls the op (``by_table``): its choice table, measured on
+#     the Qwen3 QKV shapes at T = 1 .. 16384, runs our kernel where it won (the GEMV at T = 1, the
+#     CUTLASS tiles in a few prefill cells) and cuBLAS in every other cell.
+#   - The other projections (o, gate_up, down, LM head), whose shapes the table was not measured
+#     on, call it only with at most GEMV_MAX_TOKENS tokens: at T = 1 the GEMV was 1.00-2.61x cuBLAS
+#     on their shapes too (0.6B, 8B and 8B under TP 2) but for 8B gate_up (0.98x), and at T = 2
+#     the table's split-K already lost on several (RESULTS.md, "Every projection at T = 1").
+#     QWEN3_GEMV_MAX_TOKENS=0 runs cuBLAS for them (and ``USE_OUR_GEMM = False`` for every one), to
+#     compare in an engine benchmark.
 USE_OUR_GEMM = True
 GEMV_MAX_TOKENS = int(os.environ.get("QWEN3_GEMV_MAX_TOKENS", "1"))
-QKV_GEMM_MIN_TOKENS = 2048
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           min_tokens: int | None = None) -> torch.Tensor:
+           by_table: bool = False) -> torch.Tensor:
     """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out].
 
-    Our GEMM when T <= GEMV_MAX_TOKENS, or when T >= min_tokens (None: never); cuBLAS otherwise,
-    and always off CUDA, in fp32, or where the kernel's N, K multiple-of-8 rule does not hold.
+    Through the qkv_gemm op when ``by_table`` (its table then picks our kernel or cuBLAS) or when
+    T <= GEMV_MAX_TOKENS; F.linear (cuBLAS) otherwise, and always off CUDA, in fp32, or where the
+    op's N, K multiple-of-8 rule does not hold.
     """
-    t = x.shape[0]
-    use_kernel = (
+    use_op = (
         USE_OUR_GEMM
-        and (t <= GEMV_MAX_TOKENS or (min_tokens is not None and t >= min_tokens))
+        and (by_table or x.shape[0] <= GEMV_MAX_TOKENS)
         and x.is_cuda
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -55,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.shape[1] % 8 == 0
         and qwen3_kernels.has_cuda_kernels()
     )
-    if not use_kernel:
+    if not use_op:
         return F.linear(x, weight, bias)
     out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
     return out.add_(bias) if bias is not None else out
@@ -189,7 +190,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, n).copy_(loaded.narrow(0, head0 * d, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, (Hq + 2 Hkv) * D]
-        return linear(x, self.weight, self.bias, min_tokens=QKV_GEMM_MIN_TOKENS)
+        return linear(x, self.weight, self.bias, by_table=True)
 
 
 class RowParallelLinear(LinearBase):

@@ -156,6 +156,8 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids [T] int64, positions [T] int64 (one step's flat tokens) -> hidden [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> logits [N, vocab] fp32 on rank 0, None on other ranks."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] on rank 0 (fp32, or ``dtype``; None keeps the
+        model's), None on other ranks."""
+        return self.lm_head.compute_logits(hidden, dtype)

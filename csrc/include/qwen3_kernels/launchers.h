@@ -78,6 +78,9 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
 // out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous, 16-byte aligned; N, K % 8 == 0);
 // sm_90 only: cudaErrorNotSupported on any other device. The configuration is chosen by M from the
 // table in kernels/gemm/qkv_gemm.cu (or QWEN3_QKV_GEMM_FORCE, see there).
+// Whether the table (or QWEN3_QKV_GEMM_FORCE=cublas) chooses cuBLAS for this problem: the caller
+// then runs cuBLAS itself; qkv_gemm() would return cudaErrorNotSupported.
+bool qkv_gemm_prefers_cublas(int64_t m, int64_t n, int64_t k);
 // Bytes of workspace the chosen configuration needs (0 for many; stream-K partials otherwise).
 size_t qkv_gemm_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype);
 cudaError_t qkv_gemm(void* out,        // [M, N]

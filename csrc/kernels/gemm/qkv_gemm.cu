@@ -13,7 +13,7 @@
 //   tile_128x128  CUTLASS, tile 128 tokens x 128 weight rows, 2x1 cluster
 //   tile_128x256  CUTLASS, tile 128 tokens x 256 weight rows, 2x1 cluster
 //   gemv          hand-written weight-streaming GEMV on the CUDA cores, a warp per 1 / 2 / 4 weight
-//                 rows over the whole K, no split-K (M <= 8); not in the table until measured
+//                 rows over the whole K, no split-K (M <= 8); the table's choice at M = 1
 //   cublas        not ours: where cuBLAS measured faster, the table says so and the op runs
 //                 cuBLAS (at::mm_out in the binding)
 // The CUTLASS ones use the stream-K tile scheduler, so each also takes a decomposition at run

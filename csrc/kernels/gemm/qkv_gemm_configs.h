@@ -57,7 +57,8 @@ int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count);
 
 // Hand-written weight-streaming GEMV on the CUDA cores (qkv_gemm_gemv.cu), m <= 8, no workspace,
 // no split-K: each warp owns rows_per_warp (1, 2 or 4; 0 = gemv_default_rows_per_warp) weight
-// rows over the whole K. Builds for sm_80 too. Not in the choice table yet (unmeasured).
+// rows over the whole K. Builds for sm_80 too. The choice table's pick at M = 1 (measured
+// 2026-11-30); at M = 3 and 8 it lost to cuBLAS.
 constexpr int kGemvMaxM = 8;
 cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp);
 int gemv_default_rows_per_warp(int64_t m, int64_t n);

@@ -168,6 +168,21 @@ def test_qkv_gemm_configs(model, t, summary):
           f"({nbytes / times[0][0] / 1e12:.2f} TB/s, {2 * t * n * k / times[0][0] / 1e12:.0f} TFLOP/s)")
 
 
+def _cublas_and_ours(sets):
+    """cuBLAS's time per call on the rotated sets, and a function timing our op on them under the
+    current QWEN3_QKV_GEMM_FORCE (see _with_force), checking its output against cuBLAS."""
+    calls = max(len(sets), 8)
+    base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
+                    calls_per_replay=calls)
+
+    def run():
+        s = time_gpu(_ours(sets), calls_per_replay=calls)
+        _guard(sets)
+        return s
+
+    return base, run
+
+
 GEMV_TOKENS = [1, 3, 8]
 GEMV_CASES = [(model, t) for model in QKV_SHAPES for t in GEMV_TOKENS]
 
@@ -180,16 +195,7 @@ def test_qkv_gemm_gemv_vs_cublas(model, t, report):
     and both speed-ups; the [gemv] line lists all of them for the case.
     """
     n, k = QKV_SHAPES[model]
-    sets = _sets(t, n, k)
-    calls = max(len(sets), 8)
-    base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
-                    calls_per_replay=calls)
-
-    def run():
-        s = time_gpu(_ours(sets), calls_per_replay=calls)
-        _guard(sets)
-        return s
-
+    base, run = _cublas_and_ours(_sets(t, n, k))
     auto = _with_force("auto", run)
     nbytes = (n * k + t * k + t * n) * 2
     times = {}
@@ -229,16 +235,7 @@ LINEAR_CASES = [(size, tp, proj, t) for size, tp in (("0.6B", 1), ("8B", 1), ("8
                          ids=[f"{s}-tp{p}-{j}-T{t}" for s, p, j, t in LINEAR_CASES])
 def test_linear_shapes_vs_cublas(size, tp, proj, t, report):
     n, k = _linear_shapes(size, tp)[proj]
-    sets = _sets(t, n, k)
-    calls = max(len(sets), 8)
-    base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
-                    calls_per_replay=calls)
-
-    def run():
-        s = time_gpu(_ours(sets), calls_per_replay=calls)
-        _guard(sets)
-        return s
-
+    base, run = _cublas_and_ours(_sets(t, n, k))
     times = {c: _with_force(c, run) for c in ["auto"] + (GEMV if t <= 8 else [])}
     nbytes = (n * k + t * k + t * n) * 2
     report("linear", f"{size} tp{tp} {proj} N={n} K={k} T={t} auto", times["auto"],

@@ -7,14 +7,18 @@ Qwen3-8B does 2 all-reduces per layer (o_proj, down) = 72 a step plus the LM hea
     NCCL_DEBUG=INFO python benchmarks/allreduce_latency.py 2>&1 | grep -E " via |us/all-reduce"
 
 Times: 72 all-reduces captured in one CUDA graph (as the engine's decode graphs hold them),
-replays timed between CUDA events; eager: the same 72 launched one by one. Two implementations:
-NCCL (dist.all_reduce, the NCCL environment as it is) and the engine's opt-in one-shot all-reduce
-over torch's symmetric memory (QWEN3_TP_ALLREDUCE=symm_mem: peer loads, multicast off), each
-checked for the right sum first.
+replays timed between CUDA events; eager: the same 72 launched one by one. Implementations:
+NCCL (dist.all_reduce, the NCCL environment as it is), the engine's opt-in one-shot all-reduce
+over torch's symmetric memory (QWEN3_TP_ALLREDUCE=symm_mem: peer loads, multicast off), and ours
+(QWEN3_TP_ALLREDUCE=custom: qwen3_kernels.tp_all_reduce, peer stores with inline flags), alone
+and fused with the residual add + RMSNorm (tp_all_reduce_add_rms_norm, what the model runs after
+every row-parallel layer; compare with NCCL + fused_add_rms_norm), each launch variant
+(QWEN3_CAR_VARIANT), each checked for the right sum first.
 """
 
 from __future__ import annotations
 
+import ctypes
 import socket
 import statistics
 
@@ -94,6 +98,36 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         del one
     except Exception as e:  # noqa: BLE001 - reported; the NCCL figures stand on their own
         out["one-shot (symm_mem)"] = f"{type(e).__name__}: {e}"
+    # ours (QWEN3_TP_ALLREDUCE=custom), per launch variant; and the fused norm beside NCCL + norm
+    try:
+        import qwen3_kernels
+        from qwen3_kernels.ops import extension_cdll
+        from qwen3_model.distributed import _CustomAllReduce
+
+        car = _CustomAllReduce(max(ROWS), HIDDEN, torch.bfloat16, torch.device("cuda", rank))
+        lib = extension_cdll()
+        lib.qwen3_car_variant_name.restype = ctypes.c_char_p
+        w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+        res = {rows: torch.zeros(rows, HIDDEN, device="cuda", dtype=torch.bfloat16) for rows in ROWS}
+
+        def fused(x):
+            return car.add_rms_norm(x, res[x.shape[0]], w, 1e-6)
+
+        def nccl_then_norm(x):
+            dist.all_reduce(x)
+            return qwen3_kernels.fused_add_rms_norm(x, res[x.shape[0]], w, 1e-6)
+
+        out["nccl + fused_add_rms_norm"] = {rows: _time_one(nccl_then_norm, rows) for rows in ROWS}
+        for v in range(lib.qwen3_car_num_variants()):
+            lib.qwen3_car_set_variant(v)
+            name = lib.qwen3_car_variant_name(v).decode()
+            _check(car, rank, world)
+            out[f"custom ({name})"] = {rows: _time_one(car, rows) for rows in ROWS}
+            out[f"custom + add_rms_norm ({name})"] = {rows: _time_one(fused, rows) for rows in ROWS}
+        lib.qwen3_car_set_variant(0)
+        del car
+    except Exception as e:  # noqa: BLE001 - reported, as the one-shot's
+        out["custom"] = f"{type(e).__name__}: {e}"
     if rank == 0:
         queue.put(out)
     dist.barrier()

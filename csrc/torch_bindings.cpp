@@ -450,6 +450,85 @@ void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& 
                op);
 }
 
+// ---------------------------------------------------------------------------------------------
+// tp_all_reduce / tp_all_reduce_add_rms_norm (kernels/custom_all_reduce.cu)
+// ---------------------------------------------------------------------------------------------
+
+// buffer: this rank's receive buffer (uint8, peer-writable: torch symmetric memory), split into
+// 2 halves x world slots; peer_ptrs [world] int64 (device): every rank's buffer as mapped here;
+// counters [2] int32 (device, zeroed at setup). Returns the bytes of one slot.
+int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
+                                 const at::Tensor& peer_ptrs, const at::Tensor& counters,
+                                 int64_t rank, const char* op) {
+  check_cuda(x, x, op, "x");
+  half_dtype(x, op, "x");
+  check_dim(x, 2, op, "x");
+  check_contiguous(x, op, "x");
+  QK_CHECK(x.size(1) % 8 == 0 && x.size(1) > 0 && x.size(1) <= 32768 &&
+               reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+           "qwen3_kernels.", op, ": x must be [T, H] with H a multiple of 8 up to 32768 and "
+           "16-byte aligned, got ", x.sizes());
+  check_cuda(buffer, x, op, "buffer");
+  check_dtype(buffer, at::kByte, op, "buffer");
+  check_contiguous(buffer, op, "buffer");
+  check_cuda(peer_ptrs, x, op, "peer_ptrs");
+  check_dtype(peer_ptrs, at::kLong, op, "peer_ptrs");
+  check_contiguous(peer_ptrs, op, "peer_ptrs");
+  const int64_t world = peer_ptrs.numel();
+  QK_CHECK(peer_ptrs.dim() == 1 && world >= 2 && world <= 8, "qwen3_kernels.", op,
+           ": peer_ptrs must be [world] with world in 2..8, got ", peer_ptrs.sizes());
+  QK_CHECK(rank >= 0 && rank < world, "qwen3_kernels.", op, ": rank must be in [0, ", world,
+           "), got ", rank);
+  check_cuda(counters, x, op, "counters");
+  check_dtype(counters, at::kInt, op, "counters");
+  check_contiguous(counters, op, "counters");
+  QK_CHECK(counters.dim() == 1 && counters.size(0) == 2, "qwen3_kernels.", op,
+           ": counters must be [2] int32, got ", counters.sizes());
+  const int64_t slot_bytes = buffer.numel() / (2 * world) / 32 * 32;
+  QK_CHECK(x.size(0) * x.size(1) * 4 <= slot_bytes, "qwen3_kernels.", op, ": x ", x.sizes(),
+           " needs ", x.size(0) * x.size(1) * 4, " bytes per slot, the buffer's slots hold ",
+           slot_bytes, " (", world, " ranks x 2 halves)");
+  return slot_bytes;
+}
+
+void run_tp_all_reduce(at::Tensor& x, at::Tensor* residual, const at::Tensor* weight, double eps,
+                       at::Tensor& buffer, const at::Tensor& peer_ptrs, at::Tensor& counters,
+                       int64_t rank, const char* op) {
+  const int64_t slot_bytes = check_tp_all_reduce_args(x, buffer, peer_ptrs, counters, rank, op);
+  if (x.size(0) == 0) return;  // every rank alike: no launch, the call count stays
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::tp_all_reduce(
+                   x.data_ptr(), residual ? residual->data_ptr() : nullptr,
+                   weight ? weight->data_ptr() : nullptr, peer_ptrs.data_ptr<int64_t>(),
+                   reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>()), x.size(0),
+                   x.size(1), slot_bytes, static_cast<int>(peer_ptrs.numel()),
+                   static_cast<int>(rank), residual != nullptr, static_cast<float>(eps),
+                   half_dtype(x, op, "x"), c10::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+void tp_all_reduce(at::Tensor& x, at::Tensor& buffer, const at::Tensor& peer_ptrs,
+                   at::Tensor& counters, int64_t rank) {
+  run_tp_all_reduce(x, nullptr, nullptr, 0.0, buffer, peer_ptrs, counters, rank,
+                    "tp_all_reduce");
+}
+
+void tp_all_reduce_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                                double eps, at::Tensor& buffer, const at::Tensor& peer_ptrs,
+                                at::Tensor& counters, int64_t rank) {
+  const char* op = "tp_all_reduce_add_rms_norm";
+  check_norm_args(x, weight, eps, op);
+  check_cuda(residual, x, op, "residual");
+  check_dtype(residual, x.scalar_type(), op, "residual");
+  check_contiguous(residual, op, "residual");
+  QK_CHECK(residual.sizes() == x.sizes(), "qwen3_kernels.", op, ": residual must be ",
+           x.sizes(), ", got ", residual.sizes());
+  QK_CHECK(reinterpret_cast<uintptr_t>(residual.data_ptr()) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+           "qwen3_kernels.", op, ": residual and weight must start 16-byte aligned");
+  run_tp_all_reduce(x, &residual, &weight, eps, buffer, peer_ptrs, counters, rank, op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qwen3_kernels, ops) {
@@ -485,6 +564,15 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
   // one token per row: argmax of logits / T - log(E), E ~ Exp(1) hashed from seed_keys; T <= 0 greedy
   ops.def("sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()");
   ops.impl("sample_tokens", torch::kCUDA, &sample_tokens);
+  // x = sum of x over the TP ranks (one-shot over peer memory; buffer [bytes] uint8 this rank's
+  // receive buffer, peer_ptrs [world] int64, counters [2] int32: the device-side call count)
+  ops.def("tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()");
+  ops.impl("tp_all_reduce", torch::kCUDA, &tp_all_reduce);
+  // the same, then residual += x; x = rms_norm(residual) (x, residual [T, H]; weight [H])
+  ops.def(
+      "tp_all_reduce_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
+      "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()");
+  ops.impl("tp_all_reduce_add_rms_norm", torch::kCUDA, &tp_all_reduce_add_rms_norm);
 }
 
 // Importable as qwen3_kernels._C; loading it runs the registration above.

@@ -43,6 +43,13 @@ SCHEMAS = {
     "sample_tokens": (
         "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
     ),
+    "tp_all_reduce": (
+        "tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()"
+    ),
+    "tp_all_reduce_add_rms_norm": (
+        "tp_all_reduce_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
+        "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()"
+    ),
 }
 
 try:
@@ -444,6 +451,77 @@ def sample_tokens(
 
 
 # ----------------------------------------------------------------------------------------------
+# Tensor-parallel all-reduce (+ residual add + RMSNorm) over peer memory
+# ----------------------------------------------------------------------------------------------
+
+# Bytes of one (half, rank) slot of a receive buffer per row of H 16-bit elements: the kernel
+# sends 2 elements per 8-byte packet (4 data bytes + a 4-byte flag).
+def tp_all_reduce_buffer_bytes(max_rows: int, hidden: int, world: int) -> int:
+    """Size of the receive buffer (uint8) each rank needs for rows of up to [max_rows, hidden]
+    at world size ``world``: 2 halves (call parity) x world slots x max_rows * hidden * 4 bytes."""
+    return 2 * world * max_rows * hidden * 4
+
+
+def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank):
+    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    if not (_HAS_CUDA_KERNELS and x.is_cuda and x.dtype in _KERNEL_DTYPES):
+        _fail(op, "runs only as the CUDA kernel: x must be a float16 / bfloat16 CUDA tensor and the "
+                  f"extension built (got {x.dtype} on {x.device}; extension built: {_HAS_CUDA_KERNELS}); "
+                  "off CUDA use all_reduce + fused_add_rms_norm")
+    _check_contiguous(op, "x", x)
+    t, h = x.shape
+    if h % 8 or not 0 < h <= 32768:
+        _fail(op, f"x's hidden size must be a positive multiple of 8 up to 32768, got {h}")
+    _check_tensor(op, "peer_ptrs", peer_ptrs, ndim=1, dtype=torch.int64, device=x.device)
+    world = peer_ptrs.shape[0]
+    if not 2 <= world <= 8:
+        _fail(op, f"peer_ptrs must hold one buffer address per rank, 2..8 ranks, got {world}")
+    if not (isinstance(rank, int) and 0 <= rank < world):
+        _fail(op, f"rank must be an int in [0, {world}), got {rank!r}")
+    _check_tensor(op, "counters", counters, ndim=1, dtype=torch.int32, device=x.device)
+    _check_shape(op, "counters", counters, (2,))
+    _check_tensor(op, "buffer", buffer, ndim=1, dtype=torch.uint8, device=x.device)
+    need = tp_all_reduce_buffer_bytes(t, h, world)
+    if buffer.numel() < need:
+        _fail(op, f"x [{t}, {h}] needs a receive buffer of {need} bytes at world size {world}, "
+                  f"got {buffer.numel()} (set up for fewer rows or another hidden size)")
+
+
+def tp_all_reduce(x: torch.Tensor, buffer: torch.Tensor, peer_ptrs: torch.Tensor,
+                  counters: torch.Tensor, rank: int) -> torch.Tensor:
+    """In place: x = sum of x over the tensor-parallel ranks (rank order, fp32, rounded to x's
+    dtype); every rank gets bit-identical x. A collective: every rank calls it with its x.
+
+    x          [T, H] float16 / bfloat16, contiguous: this rank's partial sum
+    buffer     [bytes] uint8: this rank's peer-writable receive buffer (torch symmetric memory),
+               at least ``tp_all_reduce_buffer_bytes(T, H, world)``
+    peer_ptrs  [world] int64 (device): every rank's buffer address as mapped in this process
+    counters   [2] int32 (device, zeroed once): the call count the kernel keeps (CUDA graphs)
+    """
+    op = "tp_all_reduce"
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank)
+    _OPS.tp_all_reduce(x, buffer, peer_ptrs, counters, int(rank))
+    return x
+
+
+def tp_all_reduce_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    buffer: torch.Tensor, peer_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, one kernel: s = the sum of x over the ranks (as ``tp_all_reduce``);
+    residual += s; x = rms_norm(residual) * weight. residual [T, H] contiguous, weight [H]."""
+    op = "tp_all_reduce_add_rms_norm"
+    _check_norm(op, x, weight, eps)
+    _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
+    _check_shape(op, "residual", residual, x.shape)
+    _check_contiguous(op, "residual", residual)
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank)
+    _OPS.tp_all_reduce_add_rms_norm(x, residual, weight, float(eps), buffer, peer_ptrs, counters,
+                                    int(rank))
+    return x, residual
+
+
+# ----------------------------------------------------------------------------------------------
 # Reference implementations for the dispatcher (CPU always; every device without the extension)
 # and fake impls for tracing.
 # ----------------------------------------------------------------------------------------------
@@ -483,6 +561,12 @@ def _ref_sample_tokens(out, logits, temperatures, seed_keys):
     out.copy_(ref.sample_tokens(logits, temperatures, seed_keys))
 
 
+def _no_peers(*args):
+    # No peer memory off CUDA: the op's math is reference.tp_all_reduce(_add_rms_norm) over the
+    # stacked partial sums, which one process cannot see. Raised for torch.ops.* called directly.
+    raise RuntimeError("qwen3_kernels.tp_all_reduce*: needs the CUDA extension and CUDA peers")
+
+
 _REFERENCE_IMPLS = {
     "silu_and_mul": _ref_silu_and_mul,
     "rms_norm": _ref_rms_norm,
@@ -492,6 +576,8 @@ _REFERENCE_IMPLS = {
     "paged_attention_prefill": _ref_paged_attention_prefill,
     "qkv_gemm": _ref_qkv_gemm,
     "sample_tokens": _ref_sample_tokens,
+    "tp_all_reduce": _no_peers,
+    "tp_all_reduce_add_rms_norm": _no_peers,
 }
 
 _lib_impl = torch.library.Library("qwen3_kernels", "IMPL")

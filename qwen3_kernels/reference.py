@@ -40,6 +40,23 @@ def fused_add_rms_norm(
     return rms_norm(new_residual, weight, eps).to(x.dtype), new_residual
 
 
+def tp_all_reduce(parts: torch.Tensor) -> torch.Tensor:
+    """parts [world, T, H]: every rank's partial sum -> [T, H], added in rank order in fp32 and
+    rounded once to the dtype (the all-reduce's output, identical on every rank)."""
+    acc = parts[0].float()
+    for r in range(1, parts.shape[0]):
+        acc = acc + parts[r].float()
+    return acc.to(parts.dtype)
+
+
+def tp_all_reduce_add_rms_norm(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts [world, T, H], residual [T, H] -> (rms_norm(s + residual), s + residual) with
+    s = tp_all_reduce(parts): the all-reduce's output, then exactly fused_add_rms_norm."""
+    return fused_add_rms_norm(tp_all_reduce(parts), residual, weight, eps)
+
+
 def rope_cos_sin_cache(
     head_dim: int, max_position: int, rope_theta: float, device=None
 ) -> torch.Tensor:

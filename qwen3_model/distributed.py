@@ -37,10 +37,25 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the ranks, in place; returns x. Identity at world size 1."""
     if get_tp_world_size() > 1:
+        if _CUSTOM is not None and _CUSTOM.fits(x):
+            return _CUSTOM(x)
         if _ONE_SHOT is not None and _ONE_SHOT.fits(x):
             return _ONE_SHOT(x)
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H]: this rank's partial sum (a row-parallel layer's unreduced output); residual
+    [T, H]; weight [H]. In place: residual += sum of x over the ranks; x = rms_norm(residual) *
+    weight; returns (x, residual). One kernel where the custom all-reduce is on and x fits
+    (QWEN3_TP_ALLREDUCE=custom, decode sizes), else all_reduce + fused_add_rms_norm."""
+    import qwen3_kernels
+
+    if get_tp_world_size() > 1 and _CUSTOM is not None and _CUSTOM.fits(x) and _CUSTOM.fits(residual):
+        return _CUSTOM.add_rms_norm(x, residual, weight, eps)
+    return qwen3_kernels.fused_add_rms_norm(all_reduce(x), residual, weight, eps)
 
 
 # ---- opt-in: one-shot all-reduce over torch's symmetric memory (P2P loads, no multicast) ----------
@@ -88,27 +103,121 @@ class _OneShotAllReduce:
         return x
 
 
-def init_one_shot_all_reduce(hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Every rank, after the process group and before graph capture: set up the opt-in one-shot
-    all-reduce when QWEN3_TP_ALLREDUCE=symm_mem (a collective: all ranks must call it). Returns
-    whether it is on. Any other value of QWEN3_TP_ALLREDUCE but unset / "nccl" is an error."""
-    global _ONE_SHOT
+# ---- opt-in: our one-shot all-reduce fused with the residual add + RMSNorm (custom) ----------
+#
+# QWEN3_TP_ALLREDUCE=custom: qwen3_kernels.tp_all_reduce(_add_rms_norm) (csrc/kernels/
+# custom_all_reduce.cu): each rank stores its rows with a per-call flag straight into every
+# peer's receive buffer (torch symmetric memory: CUDA IPC peer mappings, no multicast), polls its
+# own buffer until every peer's flag arrived, sums in rank order and, after a row-parallel layer,
+# does the residual add + RMSNorm in the same kernel. One kernel instead of NCCL's all-reduce plus
+# the norm. Tensors of up to QWEN3_TP_CUSTOM_MAX_ROWS rows (default CUSTOM_MAX_ROWS) take it,
+# larger ones stay on NCCL. A peer that never writes (dead) makes the kernel trap after ~2^26
+# polls: the launch fails instead of hanging.
+
+CUSTOM_MAX_ROWS = 512
+_CUSTOM: "_CustomAllReduce | None" = None
+ALLREDUCE_CHOICES = ("nccl", "symm_mem", "custom")
+
+
+def custom_max_rows() -> int:
+    """QWEN3_TP_CUSTOM_MAX_ROWS (a positive int), or CUSTOM_MAX_ROWS when unset."""
+    raw = os.environ.get("QWEN3_TP_CUSTOM_MAX_ROWS", "")
+    if raw == "":
+        return CUSTOM_MAX_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"QWEN3_TP_CUSTOM_MAX_ROWS must be a positive integer, got {raw!r}")
+    return rows
+
+
+class _CustomAllReduce:
+    """The receive buffer, peer addresses and call counter of qwen3_kernels.tp_all_reduce for the
+    default process group. Building it is a collective (every rank, same arguments)."""
+
+    def __init__(self, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        import qwen3_kernels
+
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"QWEN3_TP_ALLREDUCE=custom needs a float16 / bfloat16 model, got {dtype}")
+        if hidden % 8:
+            raise ValueError(f"QWEN3_TP_ALLREDUCE=custom needs hidden_size % 8 == 0, got {hidden}")
+        if not qwen3_kernels.has_cuda_kernels():
+            raise RuntimeError("QWEN3_TP_ALLREDUCE=custom needs the built CUDA extension")
+        world, rank = get_tp_world_size(), get_tp_rank()
+        if not 2 <= world <= 8:
+            raise ValueError(f"QWEN3_TP_ALLREDUCE=custom supports 2..8 ranks, got {world}")
+        # as _OneShotAllReduce: plain peer stores and loads only, never multicast
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if symm_mem.get_backend(device) not in (None, "CUDA"):
+            symm_mem.set_backend("CUDA")
+        nbytes = qwen3_kernels.tp_all_reduce_buffer_bytes(max_rows, hidden, world)
+        self.buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        # Zeroed before any peer can write: a flag is never 0, so no packet passes before its
+        # call wrote it. The barrier below orders this zeroing before every peer's first store.
+        self.buf.zero_()
+        handle = symm_mem.rendezvous(self.buf, dist.group.WORLD.group_name)
+        # buffer_ptrs are the peers' mappings of the allocation; our tensor may sit at an offset
+        # in it (torch's symmetric pools), the same on every rank: add that offset to each.
+        ptrs = list(handle.buffer_ptrs)
+        offset = self.buf.data_ptr() - ptrs[rank]
+        self.peer_ptrs = torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=device)
+        self.counters = torch.zeros(2, dtype=torch.int32, device=device)  # call count, CTAs done
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        self.max_rows, self.hidden, self.dtype, self.rank = max_rows, hidden, dtype, rank
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dtype == self.dtype and x.is_cuda and x.dim() == 2 and x.is_contiguous()
+                and x.shape[1] == self.hidden and x.shape[0] <= self.max_rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import qwen3_kernels
+
+        return qwen3_kernels.tp_all_reduce(x, self.buf, self.peer_ptrs, self.counters, self.rank)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        import qwen3_kernels
+
+        return qwen3_kernels.tp_all_reduce_add_rms_norm(
+            x, residual, weight, eps, self.buf, self.peer_ptrs, self.counters, self.rank)
+
+
+def allreduce_choice() -> str:
+    """QWEN3_TP_ALLREDUCE: 'nccl' (unset: the default), 'symm_mem' or 'custom'; else an error."""
     choice = os.environ.get("QWEN3_TP_ALLREDUCE", "nccl")
-    if choice not in ("nccl", "symm_mem"):
-        raise ValueError(f"QWEN3_TP_ALLREDUCE must be 'nccl' or 'symm_mem', got {choice!r}")
-    _ONE_SHOT = None
+    if choice not in ALLREDUCE_CHOICES:
+        raise ValueError(f"QWEN3_TP_ALLREDUCE must be one of {ALLREDUCE_CHOICES}, got {choice!r}")
+    return choice
+
+
+def init_one_shot_all_reduce(hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Every rank, after the process group and before graph capture: set up the opt-in all-reduce
+    that QWEN3_TP_ALLREDUCE names ('symm_mem': torch's one-shot; 'custom': ours, fused with the
+    norm); a collective: all ranks must call it. Returns whether one is on. Any other value of
+    QWEN3_TP_ALLREDUCE but unset / "nccl" is an error."""
+    global _ONE_SHOT, _CUSTOM
+    choice = allreduce_choice()
+    _ONE_SHOT = _CUSTOM = None
     if choice == "nccl" or get_tp_world_size() == 1:
         return False
     if device.type != "cuda":
-        raise ValueError("QWEN3_TP_ALLREDUCE=symm_mem needs CUDA devices")
-    _ONE_SHOT = _OneShotAllReduce(ONE_SHOT_MAX_ROWS * hidden_size, dtype, device)
+        raise ValueError(f"QWEN3_TP_ALLREDUCE={choice} needs CUDA devices")
+    if choice == "custom":
+        _CUSTOM = _CustomAllReduce(custom_max_rows(), hidden_size, dtype, device)
+    else:
+        _ONE_SHOT = _OneShotAllReduce(ONE_SHOT_MAX_ROWS * hidden_size, dtype, device)
     return True
 
 
 def release_one_shot_all_reduce() -> None:
-    """Drop the symmetric buffer (before the process group goes)."""
-    global _ONE_SHOT
-    _ONE_SHOT = None
+    """Drop the symmetric buffers (before the process group goes)."""
+    global _ONE_SHOT, _CUSTOM
+    _ONE_SHOT = _CUSTOM = None
 
 
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

@@ -157,10 +157,11 @@ def test_tp2_fp32_matches_transformers(tmp_path):
 
 
 @requires_2_gpus
-@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem"])
+@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem", "custom"])
 def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
     """TP=2 with graph-replayed decode (all-reduce inside the graphs) gives TP=1's greedy tokens,
-    with NCCL's all-reduce and with the opt-in one-shot one (QWEN3_TP_ALLREDUCE=symm_mem).
+    with NCCL's all-reduce, the opt-in one-shot one (QWEN3_TP_ALLREDUCE=symm_mem) and ours fused
+    with the residual add + RMSNorm (QWEN3_TP_ALLREDUCE=custom).
     The two sum the row-parallel layers in another order in bf16, so a near-tie may still flip a
     late token: every prompt's first token and most prompts' 24 tokens must be equal."""
     monkeypatch.setenv("QWEN3_TP_ALLREDUCE", allreduce)  # the spawned worker inherits it

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import qwen3_kernels
 from qwen3_model.loader import load_hf_config, load_model
 from qwen3_model.models.qwen3 import Qwen3ForCausalLM
 from tests.helpers import rel_err
@@ -169,12 +170,57 @@ def test_weight_loaders_split_like_vllm(monkeypatch, tp):
 
 
 def test_tp_allreduce_choice_is_checked(monkeypatch):
-    """QWEN3_TP_ALLREDUCE: 'nccl' (default) or the opt-in 'symm_mem'; anything else is a clear
-    error; at world size 1 there is nothing to set up."""
-    from qwen3_model.distributed import init_one_shot_all_reduce
+    """QWEN3_TP_ALLREDUCE: 'nccl' (default) or the opt-in 'symm_mem' / 'custom'; anything else is
+    a clear error; at world size 1 there is nothing to set up."""
+    from qwen3_model import distributed as d
 
     monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match="QWEN3_TP_ALLREDUCE must be 'nccl' or 'symm_mem', got 'fast'"):
-        init_one_shot_all_reduce(64, torch.float32, torch.device("cpu"))
-    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "symm_mem")
-    assert init_one_shot_all_reduce(64, torch.float32, torch.device("cpu")) is False
+    with pytest.raises(ValueError, match=r"QWEN3_TP_ALLREDUCE must be one of \('nccl', 'symm_mem', "
+                                         r"'custom'\), got 'fast'"):
+        d.init_one_shot_all_reduce(64, torch.float32, torch.device("cpu"))
+    for choice in ("symm_mem", "custom", "nccl"):
+        monkeypatch.setenv("QWEN3_TP_ALLREDUCE", choice)
+        assert d.init_one_shot_all_reduce(64, torch.float32, torch.device("cpu")) is False
+        assert d._CUSTOM is None and d._ONE_SHOT is None
+    monkeypatch.delenv("QWEN3_TP_ALLREDUCE")
+    assert d.allreduce_choice() == "nccl"
+
+
+def test_custom_allreduce_max_rows_env(monkeypatch):
+    from qwen3_model import distributed as d
+
+    monkeypatch.delenv("QWEN3_TP_CUSTOM_MAX_ROWS", raising=False)
+    assert d.custom_max_rows() == d.CUSTOM_MAX_ROWS
+    monkeypatch.setenv("QWEN3_TP_CUSTOM_MAX_ROWS", "64")
+    assert d.custom_max_rows() == 64
+    for bad in ("0", "-3", "many", "1.5"):
+        monkeypatch.setenv("QWEN3_TP_CUSTOM_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match=f"QWEN3_TP_CUSTOM_MAX_ROWS must be a positive integer, got '{bad}'"):
+            d.custom_max_rows()
+
+
+def test_all_reduce_add_rms_norm_without_custom_is_the_fused_norm():
+    """World size 1 (no process group), custom path off: all_reduce_add_rms_norm is exactly
+    fused_add_rms_norm (the model's numbers with QWEN3_TP_ALLREDUCE unset do not change)."""
+    from qwen3_model import distributed as d
+
+    g = torch.Generator().manual_seed(3)
+    x, r, w = (torch.randn(5, 64, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    w = w[0]
+    want_x, want_r = qwen3_kernels.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    got_x, got_r = d.all_reduce_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    assert torch.equal(got_x, want_x) and torch.equal(got_r, want_r)
+
+
+def test_row_parallel_without_reduce_adds_the_bias_once():
+    """reduce_results=False at world size 1: the same output as the reducing layer (bias on
+    rank 0 = this rank)."""
+    from qwen3_model.layers.linear import RowParallelLinear
+
+    torch.manual_seed(0)
+    a, b = RowParallelLinear(16, 8, bias=True), RowParallelLinear(16, 8, bias=True, reduce_results=False)
+    for p in (a.weight, a.bias):
+        p.data.normal_()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 16)
+    assert torch.equal(a(x), b(x))

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import qwen3_kernels
+from qwen3_model.distributed import all_reduce_add_rms_norm
 from qwen3_model.layers.linear import default_weight_loader
 
 
@@ -16,11 +17,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                all_reduce_x: bool = False):
         """x [T, H] -> rms_norm(x); with residual [T, H]: (rms_norm(x + residual), x + residual).
 
-        The residual form works in place: x and residual are overwritten and returned.
+        The residual form works in place: x and residual are overwritten and returned. With
+        ``all_reduce_x`` (residual form only), x is this rank's partial sum from a row-parallel
+        layer built with reduce_results=False: it is summed over the tensor-parallel ranks first,
+        in the same kernel as the add + norm where QWEN3_TP_ALLREDUCE=custom is on.
         """
         if residual is None:
             return qwen3_kernels.rms_norm(x, self.weight, self.eps)
+        if all_reduce_x:
+            return all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
         return qwen3_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -197,12 +197,17 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial products are summed by an all-reduce.
 
     x [T, in/tp] -> [T, out], identical on every rank. The bias is added once, after the reduce.
+    With ``reduce_results=False`` the output is this rank's partial sum, left for the caller to
+    reduce (the decoder fuses the all-reduce into the residual add + RMSNorm that follows); the
+    bias is then added on rank 0 only, before that reduce, so it still counts once.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True):
         tp = get_tp_world_size()
         super().__init__(divide(input_size, tp, "input features"), output_size, bias, tp_dim=1)
         self.input_size = input_size
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: replicated
@@ -213,5 +218,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = linear(x, self.weight)
+        if not self.reduce_results:
+            return y + self.bias if self.bias is not None and self.tp_rank == 0 else y
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

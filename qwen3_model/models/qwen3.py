@@ -65,7 +65,9 @@ class Qwen3Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # local
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # local
         # q width = heads * head_dim, not hidden_size (they differ for 0.6B, 1.7B, 4B, 32B)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias)
+        # unreduced: the decoder sums it over the ranks inside the next residual add + norm
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias,
+                                        reduce_results=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self.rotary_emb = rotary_emb  # one table shared by every layer
@@ -82,7 +84,7 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
-        self.down_proj = RowParallelLinear(i, config.hidden_size)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, reduce_results=False)  # as o_proj
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +100,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        """hidden [T, H]; residual [T, H] or None (first layer). Returns the pre-norm pair for the
-        next layer: the residual add is fused into the next norm."""
+        """hidden [T, H]; residual [T, H] or None (first layer: hidden is the embedding). Returns
+        the pre-norm pair for the next layer: the MLP's output is still this rank's partial sum
+        (o_proj and down_proj do not reduce): the all-reduce and the residual add are fused into
+        the next norm (``all_reduce_x``)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, all_reduce_x=True)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce_x=True)
         return self.mlp(hidden), residual
 
 
@@ -126,7 +130,7 @@ class Qwen3Model(nn.Module):
             hidden, residual = layer(positions, hidden, residual)
         if residual is None:  # zero layers
             return self.norm(hidden)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, all_reduce_x=True)  # the last down_proj's partials
         return hidden
 
 

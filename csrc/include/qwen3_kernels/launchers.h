@@ -90,6 +90,22 @@ cudaError_t qkv_gemm(void* out,        // [M, N]
                      void* workspace,  // qkv_gemm_workspace_size(m, n, k, dtype) bytes, any content
                      size_t workspace_bytes, DType dtype, cudaStream_t stream);
 
+// ---- custom_all_reduce.cu --------------------------------------------------------------------
+// One-shot tensor-parallel all-reduce over peer (NVLink) memory: s = sum over ranks of x in rank
+// order (fp32, rounded to the dtype); add_rms_norm: residual += s, x = rms_norm(residual) * weight,
+// else x = s. Every rank calls it in the same sequence (the call count lives in counters).
+// cudaErrorInvalidValue when the sizes do not fit (world 2..8, H % 8 == 0, H <= 32768,
+// num_tokens * H * 4 <= slot_bytes, slot_bytes % 32 == 0).
+cudaError_t tp_all_reduce(void* x,                   // [T, H] contiguous, 16-byte aligned; in place
+                          void* residual,            // [T, H] contiguous (add_rms_norm; else unused)
+                          const void* weight,        // [H] (add_rms_norm; else unused)
+                          const int64_t* peer_ptrs,  // [world] device: every rank's receive buffer
+                          uint32_t* counters,        // [2] device, zeroed at setup: call count, CTAs done
+                          int64_t num_tokens, int64_t hidden,
+                          int64_t slot_bytes,        // bytes of one (half, rank) slot of a buffer
+                          int world, int rank, bool add_rms_norm, float eps, DType dtype,
+                          cudaStream_t stream);
+
 // ---- sample.cu --------------------------------------------------------------------------------
 // out[r] = argmax_i score[r, i] (ties: lowest i), score = logits / T - log(E), E ~ Exp(1) from the
 // counter hash of (seed_keys[r], i) for T > 0, and score = logits for T <= 0 (greedy).

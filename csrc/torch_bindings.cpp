@@ -399,6 +399,54 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   check_launch(err, op);
 }
 
+// linear_silu_and_mul: the MLP's gate_up projection and its activation. Up to
+// linear_silu_and_mul_max_tokens tokens one weight-streaming pass (the GEMV with silu_and_mul at
+// its end); above, or where that kernel does not run, cuBLAS into a [T, 2I] temporary and then
+// silu_and_mul: the same values either way (up to the GEMM's summation order).
+void linear_silu_and_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "linear_silu_and_mul";
+  check_cuda(x, x, op, "x");
+  check_cuda(weight, x, op, "weight");
+  check_cuda(out, x, op, "out");
+  DType dt = half_dtype(x, op, "x");
+  check_dtype(weight, x.scalar_type(), op, "weight");
+  check_dtype(out, x.scalar_type(), op, "out");
+  check_dim(x, 2, op, "x");
+  check_dim(weight, 2, op, "weight");
+  check_contiguous(x, op, "x");
+  check_contiguous(weight, op, "weight");
+  check_contiguous(out, op, "out");
+  const int64_t m = x.size(0), k = x.size(1), two_i = weight.size(0);
+  QK_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
+           "] but weight is ", weight.sizes(), ": inner dims differ");
+  QK_CHECK(k % 8 == 0 && two_i % 8 == 0 && k > 0 && two_i > 0, "qwen3_kernels.", op,
+           ": K and 2I (weight rows: gate then up) must be positive multiples of 8, got K=", k,
+           " 2I=", two_i);
+  QK_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == two_i / 2, "qwen3_kernels.", op,
+           ": out must be [", m, ", ", two_i / 2, "], got ", out.sizes());
+  const at::Tensor* operands[] = {&x, &weight, &out};
+  for (const at::Tensor* t : operands) {
+    QK_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "qwen3_kernels.", op,
+             ": x, weight and out must start 16-byte aligned; got a view at offset ",
+             t->storage_offset());
+  }
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = qwen3_kernels::linear_silu_and_mul(out.data_ptr(), x.data_ptr(),
+                                                             weight.data_ptr(), m, two_i, k, dt,
+                                                             stream);
+  if (err != cudaErrorNotSupported) {
+    check_launch(err, op);
+    return;
+  }
+  cudaGetLastError();  // not a launch failure: the GEMV does not take this problem
+  const at::Tensor gate_up = at::mm(x, weight.t());  // [m, 2I]
+  check_launch(qwen3_kernels::silu_and_mul(out.data_ptr(), gate_up.data_ptr(), m, two_i / 2,
+                                           out.stride(0), gate_up.stride(0), dt, stream),
+               op);
+}
+
 // ---------------------------------------------------------------------------------------------
 // sample_tokens
 // ---------------------------------------------------------------------------------------------
@@ -561,6 +609,9 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
   // out = x @ weight^T (CUTLASS sm90)
   ops.def("qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()");
   ops.impl("qkv_gemm", torch::kCUDA, &qkv_gemm);
+  // out = silu(g) * u, [g | u] = x @ weight^T (weight [2I, K]: gate rows, then up rows)
+  ops.def("linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()");
+  ops.impl("linear_silu_and_mul", torch::kCUDA, &linear_silu_and_mul);
   // one token per row: argmax of logits / T - log(E), E ~ Exp(1) hashed from seed_keys; T <= 0 greedy
   ops.def("sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()");
   ops.impl("sample_tokens", torch::kCUDA, &sample_tokens);

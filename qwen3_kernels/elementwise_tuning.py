@@ -1,15 +1,17 @@
-"""Launch variants of the silu_and_mul and RMSNorm CUDA kernels, for benchmarks and tests.
+"""Launch variants of the silu_and_mul, RMSNorm and GEMV CUDA kernels, for benchmarks and tests.
 
     from qwen3_kernels import elementwise_tuning as et
     et.variants("silu")                    # ['auto', 'legacy', 'flat128x1', ...]; index 0 is the default
     with et.variant("norm", "cluster4"):   # rms_norm and fused_add_rms_norm, T < 1024 only
         qwen3_kernels.rms_norm(x, w, 1e-6)
 
-What each variant launches is documented at the top of csrc/kernels/activation.cu ("silu") and
-csrc/kernels/norm.cu ("norm"). The choice is process-wide and applies to launches made after it
+What each variant launches is documented at the top of csrc/kernels/activation.cu ("silu"),
+csrc/kernels/norm.cu ("norm") and csrc/kernels/gemm/qkv_gemm_gemv.cu ("gemv": the weight-streaming
+GEMV behind qkv_gemm at T = 1 and linear_silu_and_mul). The choice is process-wide and applies to launches made after it
 is set (a CUDA graph keeps what was set when it was captured). It lives in the extension (exported
 C functions found through ctypes), so an op pays one relaxed atomic load for it; the environment
-variables QWEN3_SILU_VARIANT / QWEN3_NORM_VARIANT (a name or an index) give the initial value.
+variables QWEN3_SILU_VARIANT / QWEN3_NORM_VARIANT / QWEN3_GEMV_VARIANT (a name or an index) give
+the initial value.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import contextlib
 import ctypes
 import functools
 
-OPS = ("silu", "norm")
+OPS = ("silu", "norm", "gemv")
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +60,7 @@ def _fn(op: str, what: str):
 
 
 def variants(op: str) -> list[str]:
-    """Variant names of op ("silu" or "norm") by index; index 0 is the default."""
+    """Variant names of op ("silu", "norm" or "gemv") by index; index 0 is the default."""
     name = _fn(op, "variant_name")
     return [name(i).decode() for i in range(_fn(op, "num_variants")())]
 

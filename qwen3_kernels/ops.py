@@ -40,6 +40,7 @@ SCHEMAS = {
         "float scale) -> ()"
     ),
     "qkv_gemm": "qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()",
+    "linear_silu_and_mul": "linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()",
     "sample_tokens": (
         "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
     ),
@@ -389,23 +390,47 @@ def paged_attention_prefill(
 # ----------------------------------------------------------------------------------------------
 
 
-def qkv_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T -> out [T, N]; K and N multiples of 8."""
-    op = "qkv_gemm"
+def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
+    """The checks qkv_gemm and linear_silu_and_mul share: x [T, K] and weight [N, K] contiguous,
+    one dtype and device, K and N multiples of 8; out [T, out_cols(N)] contiguous (allocated when
+    None). ``rows`` names N in the messages."""
     _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     _check_tensor(op, "weight", weight, ndim=2, dtype=x.dtype, device=x.device)
     _check_contiguous(op, "x", x)
     _check_contiguous(op, "weight", weight)
     n, k = weight.shape
     if x.shape[1] != k:
-        _fail(op, f"x is [T, {x.shape[1]}] but weight is [N, {k}]: inner dims differ")
+        _fail(op, f"x is [T, {x.shape[1]}] but weight is [{rows}, {k}]: inner dims differ")
     if k % 8 or n % 8:
-        _fail(op, f"K ({k}) and N ({n}) must be multiples of 8 (16-byte aligned rows)")
+        _fail(op, f"K ({k}) and {rows} ({n}) must be multiples of 8 (16-byte aligned rows)")
+    cols = out_cols(n)
     if out is None:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], cols, dtype=x.dtype, device=x.device)
     _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
     _check_contiguous(op, "out", out)
-    _check_shape(op, "out", out, (x.shape[0], n))
+    _check_shape(op, "out", out, (x.shape[0], cols))
+    return out
+
+
+def qkv_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> out [T, N]; K and N multiples of 8."""
+    op = "qkv_gemm"
+    out = _gemm_out(op, x, weight, out, "N", lambda n: n)
+    _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight)
+    return out
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K], weight [2I, K] (gate rows, then up rows) -> out [T, I] = silu_and_mul(x @ weight^T).
+
+    The MLP's gate_up projection and its activation. On CUDA, up to 8 tokens run one
+    weight-streaming pass that never writes the [T, 2I] product; more tokens run cuBLAS and then
+    silu_and_mul. K and 2I multiples of 8.
+    """
+    op = "linear_silu_and_mul"
+    out = _gemm_out(op, x, weight, out, "2I", lambda two_i: two_i // 2)
     _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight)
     return out
 
@@ -557,6 +582,10 @@ def _ref_qkv_gemm(out, x, weight):
     out.copy_(ref.qkv_gemm(x, weight))
 
 
+def _ref_linear_silu_and_mul(out, x, weight):
+    out.copy_(ref.linear_silu_and_mul(x, weight))
+
+
 def _ref_sample_tokens(out, logits, temperatures, seed_keys):
     out.copy_(ref.sample_tokens(logits, temperatures, seed_keys))
 
@@ -575,6 +604,7 @@ _REFERENCE_IMPLS = {
     "paged_attention_decode": _ref_paged_attention_decode,
     "paged_attention_prefill": _ref_paged_attention_prefill,
     "qkv_gemm": _ref_qkv_gemm,
+    "linear_silu_and_mul": _ref_linear_silu_and_mul,
     "sample_tokens": _ref_sample_tokens,
     "tp_all_reduce": _no_peers,
     "tp_all_reduce_add_rms_norm": _no_peers,

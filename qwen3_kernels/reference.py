@@ -220,6 +220,12 @@ def qkv_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.float(), weight.float().t()).to(x.dtype)
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K], weight [2I, K] -> [T, I] = silu_and_mul(qkv_gemm(x, weight)): the product is
+    rounded to x's dtype before the activation, as the unfused pair would round it."""
+    return silu_and_mul(qkv_gemm(x, weight))
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 _M32 = 0xFFFFFFFF

@@ -113,6 +113,14 @@ class _OneShotAllReduce:
 # the norm. Tensors of up to QWEN3_TP_CUSTOM_MAX_ROWS rows (default CUSTOM_MAX_ROWS) take it,
 # larger ones stay on NCCL. A peer that never writes (dead) makes the kernel trap after ~2^26
 # polls: the launch fails instead of hanging.
+# Measured on two H200s (RESULTS.md, 2026-11-30, third session): 4.1 us per [1, 4096] bf16 all-reduce with
+# the norm inside a CUDA graph (NCCL 12.9 us, and the norm is another kernel); Qwen3-8B TP-2
+# batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1 on 7/8 prompts,
+# as with NCCL. Why it is not the default yet: when a worker is killed, the trap's CUDA error
+# reaches torch's NCCL watchdog thread first, which terminates rank 0 (SIGABRT) before the engine
+# can raise its error (tests/test_engine_tp.py, two GPUs, both variants, 2026-11-30, third session). The
+# kernel needs an abort word that the engine's worker watch can set, so that it returns instead
+# of trapping.
 
 CUSTOM_MAX_ROWS = 512
 _CUSTOM: "_CustomAllReduce | None" = None

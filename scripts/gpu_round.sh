@@ -5,7 +5,8 @@
 #   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
-#   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated
+#   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated; leading
+#                         # NAME=VALUE words set the environment of that run only
 #   TEST_TIMEOUT=300 FILE_TIMEOUT=900  # a test past 300 s dumps its stacks; a file past 900 s is killed
 #   PARALLEL=1 ...        # on a machine with >= 2 GPUs: the test files run at once (each file one
 #                         # process, round-robin over all GPUs but the last) while the benchmarks run
@@ -96,7 +97,12 @@ if [ "$ENGINE" != none ]; then
   IFS=';' read -ra runs <<< "$ENGINE"
   for args in "${runs[@]}"; do
     echo "== bench_engine.py $args ==" | tee -a "$OUT/engine.log"
-    (cd benchmarks && timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py $args 2>&1) \
+    # leading NAME=VALUE words are environment for this run only, e.g. "QWEN3_GEMV_VARIANT=nopdl --size 8B"
+    envs=(); flags=()
+    for word in $args; do
+      if [ ${#flags[@]} -eq 0 ] && [[ "$word" =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$word"); else flags+=("$word"); fi
+    done
+    (cd benchmarks && env "${envs[@]}" timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py "${flags[@]}" 2>&1) \
       | grep -v "Generating" | tee -a "$OUT/engine.log" | tail -6
   done
 fi

@@ -104,3 +104,42 @@ def test_input_checks_reject_strided_operands():
         qwen3_kernels.qkv_gemm(x, w)
     with pytest.raises(ValueError, match="contiguous"):
         qwen3_kernels.qkv_gemm(torch.randn(8, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16).t())
+
+
+# ---- linear_silu_and_mul: the gate_up projection and its activation in one op -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_silu_and_mul_reference_is_the_unfused_pair(dtype):
+    # the product rounded to the dtype first, then silu(gate) * up: what the model ran before
+    x = torch.randn(5, 64).to(dtype)
+    w = (torch.randn(48, 64) * 0.125).to(dtype)
+    h = ref.qkv_gemm(x, w)
+    want = (torch.nn.functional.silu(h[:, :24].float()) * h[:, 24:].float()).to(dtype)
+    assert torch.equal(ref.linear_silu_and_mul(x, w), want)
+    out = torch.full((5, 24), float("nan"), dtype=dtype)
+    assert qwen3_kernels.linear_silu_and_mul(x, w, out=out) is out
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,out_shape,match",
+    [
+        ((4, 64), (16, 32), None, "inner dims differ"),
+        ((4, 64), (20, 64), None, "multiples of 8"),
+        ((4, 60), (16, 60), None, "multiples of 8"),
+        ((4, 64), (16, 64), (4, 16), "must have shape"),
+        ((4, 64, 1), (16, 64), None, "must have 2 dims"),
+    ],
+)
+def test_linear_silu_and_mul_input_checks(x_shape, w_shape, out_shape, match):
+    x = torch.randn(*x_shape).to(torch.bfloat16)
+    w = torch.randn(*w_shape).to(torch.bfloat16)
+    out = None if out_shape is None else torch.empty(*out_shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        qwen3_kernels.linear_silu_and_mul(x, w, out=out)
+    with pytest.raises(ValueError, match="must be torch.bfloat16"):
+        qwen3_kernels.linear_silu_and_mul(torch.randn(4, 64).to(torch.bfloat16), torch.randn(16, 64))
+    with pytest.raises(ValueError, match="contiguous"):
+        qwen3_kernels.linear_silu_and_mul(torch.randn(64, 4).to(torch.bfloat16).t(),
+                                          torch.randn(16, 64).to(torch.bfloat16))

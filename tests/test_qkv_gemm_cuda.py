@@ -277,3 +277,148 @@ def test_qkv_gemm_rejects_misaligned_and_refused(force):
     out = torch.empty(9, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot run M=9"):
         torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+
+
+# ---- the GEMV's launch variants (plain, PDL) ---------------------------------------------------
+
+GEMV_LAUNCH_VARIANTS = ["auto", "pdl"]
+
+
+@pytest.fixture
+def gemv_variant():
+    from qwen3_kernels import elementwise_tuning as et
+
+    before = et.current("gemv")
+    yield lambda name: et.select("gemv", name)
+    et.select("gemv", before)
+
+
+@pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
+@pytest.mark.parametrize("t,n,k", [(1, 6144, 4096), (3, 4104, 200), (8, 72, 25600), (1, 8, 8)])
+def test_qkv_gemm_gemv_launch_variants(variant, t, n, k, force, gemv_variant):
+    force("gemv")
+    gemv_variant(variant)
+    x, w = _inputs(t, n, k, torch.bfloat16, seed=t + n + k)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    _check(x, w, out)
+
+
+# ---- linear_silu_and_mul: the gate_up projection with silu_and_mul fused into the GEMV ------------
+
+# (T, 2I, K): the gate_up shapes of 0.6B, 8B and one rank of 8B under TP 2 (4 rows a warp), then
+# odd ones: I not a multiple of the CTA's columns (idle warps), K of one lane, K past any staging
+# limit, partial last stages; T = 9 and 33 take the cuBLAS + silu_and_mul path.
+GATE_UP_CASES = [
+    (t, two_i, k)
+    for t in (1, 2, 5, 8)
+    for two_i, k in ((6144, 1024), (24576, 4096), (12288, 4096))
+] + [
+    (1, 8, 8), (3, 72, 1032), (4, 4104, 200), (7, 24, 2056), (2, 16392, 264), (3, 8200, 1032),
+    (6, 80, 25600),
+    (9, 6144, 1024), (33, 72, 1032),
+]
+
+
+def _check_silu(x, w, out):
+    """FA3 rule: our error vs the fp32 product + activation at most twice that of cuBLAS in the
+    same dtype followed by the reference activation; every element written."""
+    assert not out.isnan().any(), "some outputs were not written (still NaN)"
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h = x.float() @ w.float().t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    i = h.shape[1] // 2
+    want = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+    base = qwen3_kernels.reference.silu_and_mul(torch.matmul(x, w.t()))
+    ours_max = (out.float() - want).abs().max().item()
+    base_max = (base.float() - want).abs().max().item()
+    eps = 1e-5 * want.abs().max().item() + 1e-6
+    assert ours_max <= 2 * base_max + eps, (ours_max, base_max)
+    assert rel_err(out, want) <= 2 * rel_err(base, want) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,two_i,k", GATE_UP_CASES, ids=[f"T{t}-2I{n}-K{k}" for t, n, k in GATE_UP_CASES])
+def test_linear_silu_and_mul(t, two_i, k, dtype):
+    x, w = _inputs(t, two_i, k, dtype, seed=t + two_i + k)
+    # out a 16-byte aligned view inside a poisoned buffer: nothing around it may change
+    i, pad = two_i // 2, 8
+    buf = torch.full((t * i + 2 * pad,), float("nan"), device="cuda", dtype=dtype)
+    out = buf[pad : pad + t * i].view(t, i)
+    torch.ops.qwen3_kernels.linear_silu_and_mul(out, x, w)
+    _check_silu(x, w, out)
+    assert buf[:pad].isnan().all() and buf[pad + t * i :].isnan().all()
+
+
+@pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
+def test_linear_silu_and_mul_launch_variants(variant, gemv_variant):
+    gemv_variant(variant)
+    for t, two_i, k in ((1, 24576, 4096), (5, 4104, 200), (1, 12288, 4096)):
+        x, w = _inputs(t, two_i, k, torch.bfloat16, seed=t)
+        out = torch.full((t, two_i // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+        torch.ops.qwen3_kernels.linear_silu_and_mul(out, x, w)
+        _check_silu(x, w, out)
+
+
+@pytest.mark.parametrize("variant", ["auto", "pdl"])
+def test_gemv_pdl_orders_after_the_previous_kernel(variant, force, gemv_variant):
+    # The PDL GEMVs start while the kernel before them runs: they must still read the x and the
+    # weight that kernel writes, and the GEMV after them (started early by their
+    # launch_dependents) their finished output. Eager and in a graph.
+    force("gemv")
+    gemv_variant(variant)
+    two_i, k = 24576, 4096
+    x_new, w1_new = _inputs(1, two_i, k, torch.bfloat16, seed=7)
+    _, w2 = _inputs(1, 1032, two_i // 2, torch.bfloat16, seed=8)
+    x = torch.zeros_like(x_new)
+    w1 = torch.zeros_like(w1_new)
+    mid = torch.full((1, two_i // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((1, 1032), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        # kernels (not memcpys) writing both operands, the 200 MB weight last
+        torch.mul(x_new, 1.0, out=x)
+        torch.mul(w1_new, 1.0, out=w1)
+        torch.ops.qwen3_kernels.linear_silu_and_mul(mid, x, w1)
+        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
+
+    step()
+    torch.cuda.synchronize()
+    _check_silu(x_new, w1_new, mid)
+    _check(mid, w2, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for seed in (1, 2):
+        x2, w2_ = _inputs(1, two_i, k, torch.bfloat16, seed=seed)
+        x_new.copy_(x2)
+        w1_new.copy_(w2_)
+        w1.zero_()
+        mid.fill_(float("nan"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check_silu(x_new, w1_new, mid)
+        _check(mid, w2, out)
+
+
+def test_linear_silu_and_mul_opcheck():
+    for t in (3, 300):
+        x, w = _inputs(t, 4104, 1032, torch.bfloat16)
+        out = torch.empty(t, 2052, device="cuda", dtype=torch.bfloat16)
+        torch.library.opcheck(torch.ops.qwen3_kernels.linear_silu_and_mul, (out, x, w))
+
+
+def test_linear_silu_and_mul_under_torch_compile():
+    x, w = _inputs(1, 6144, 1024, torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def f(x, w):
+        out = torch.empty(x.shape[0], w.shape[0] // 2, device=x.device, dtype=x.dtype)
+        torch.ops.qwen3_kernels.linear_silu_and_mul(out, x, w)
+        return out
+
+    _check_silu(x, w, f(x, w))

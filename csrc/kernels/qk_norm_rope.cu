@@ -49,6 +49,7 @@
 #include <cstring>
 
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/tuning.cuh"
 
 namespace qwen3_kernels {
 namespace {
@@ -109,6 +110,10 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
     uint32_t num_items,                        // num_tokens * (Hq + 2*Hkv), < 2^31
     int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
+  // Launched with PDL on sm_90 (launch_item): scheduled while the QKV GEMM drains, and nothing is
+  // read before it has finished. No-ops for a plain launch.
+  pdl_wait();
+  pdl_launch_dependents();
   const uint32_t num_heads = num_q_heads + 2 * num_kv_heads;
   const int lane = threadIdx.x % kLanesPerItem;
   // 32-bit item indices (the launcher keeps num_items < 2^31): the token / head split below is a
@@ -736,13 +741,16 @@ cudaError_t launch_item(const Args& a) {
   if (num_items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // ~26M tokens at 80 heads
   constexpr int64_t items_per_block = kThreads / kLanesPerItem * ITEMS;
   const int64_t blocks = (num_items + items_per_block - 1) / items_per_block;
-  qk_norm_rope_kernel<T, ITEMS, HOIST><<<static_cast<unsigned>(blocks), kThreads, 0, a.stream>>>(
-      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
-      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
-      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
-      a.slot_mapping, static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
-      a.num_kv_heads, a.eps);
-  return cudaGetLastError();
+  // PDL on sm_90: the decode step's small launches (this one is 1..2 CTAs at batch 1) then hide
+  // behind the GEMM before them.
+  const bool pdl = current_device_info().cc_major >= 9;
+  return launch_ex(qk_norm_rope_kernel<T, ITEMS, HOIST>, dim3(static_cast<unsigned>(blocks)),
+                   dim3(kThreads), a.stream, pdl, 1, static_cast<T*>(a.q_out),
+                   static_cast<const T*>(a.qkv), static_cast<const T*>(a.q_norm_weight),
+                   static_cast<const T*>(a.k_norm_weight), a.cos_sin_cache, a.positions,
+                   static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache), a.slot_mapping,
+                   static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
+                   a.num_kv_heads, a.eps);
 }
 
 // Groups of 8 lanes a token-major CTA needs for at most hpt heads each, in whole warps.

@@ -33,19 +33,16 @@ from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_worl
 #     the table's split-K already lost on several (RESULTS.md, "Every projection at T = 1").
 #     QWEN3_GEMV_MAX_TOKENS=0 runs cuBLAS for them (and ``USE_OUR_GEMM = False`` for every one), to
 #     compare in an engine benchmark.
+# The MLP's gate_up projection and its activation as one op (linear_silu_and_mul: the GEMV with
+# silu_and_mul at its end, one launch and no [T, 2I] round trip) wherever the GEMV runs;
+# QWEN3_FUSE_GATE_UP_SILU=0 runs the two ops, to compare.
 USE_OUR_GEMM = True
 GEMV_MAX_TOKENS = int(os.environ.get("QWEN3_GEMV_MAX_TOKENS", "1"))
+FUSE_GATE_UP_SILU = os.environ.get("QWEN3_FUSE_GATE_UP_SILU", "1") != "0"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           by_table: bool = False) -> torch.Tensor:
-    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out].
-
-    Through the qkv_gemm op when ``by_table`` (its table then picks our kernel or cuBLAS) or when
-    T <= GEMV_MAX_TOKENS; F.linear (cuBLAS) otherwise, and always off CUDA, in fp32, or where the
-    op's N, K multiple-of-8 rule does not hold.
-    """
-    use_op = (
+def _runs_our_gemm(x: torch.Tensor, weight: torch.Tensor, by_table: bool) -> bool:
+    return (
         USE_OUR_GEMM
         and (by_table or x.shape[0] <= GEMV_MAX_TOKENS)
         and x.is_cuda
@@ -56,10 +53,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.shape[1] % 8 == 0
         and qwen3_kernels.has_cuda_kernels()
     )
-    if not use_op:
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           by_table: bool = False) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out].
+
+    Through the qkv_gemm op when ``by_table`` (its table then picks our kernel or cuBLAS) or when
+    T <= GEMV_MAX_TOKENS; F.linear (cuBLAS) otherwise, and always off CUDA, in fp32, or where the
+    op's N, K multiple-of-8 rule does not hold.
+    """
+    if not _runs_our_gemm(x, weight, by_table):
         return F.linear(x, weight, bias)
     out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
     return out.add_(bias) if bias is not None else out
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(x [T, in] @ weight [2I, in]^T (+ bias [2I])) -> [T, I]; weight is gate | up.
+
+    One op (one pass over the weight) where ``linear`` would run the GEMV; ``linear`` and then
+    silu_and_mul everywhere else.
+    """
+    if bias is None and FUSE_GATE_UP_SILU and _runs_our_gemm(x, weight, by_table=False):
+        return qwen3_kernels.linear_silu_and_mul(x.contiguous(), weight)
+    return qwen3_kernels.silu_and_mul(linear(x, weight, bias))
 
 
 def check_loaded_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:

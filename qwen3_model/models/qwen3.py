@@ -15,11 +15,15 @@ import torch
 from torch import nn
 
 from qwen3_model.distributed import divide, get_tp_world_size
-from qwen3_model.layers.activation import SiluAndMul
 from qwen3_model.layers.attention import Attention
 from qwen3_model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from qwen3_model.layers.layernorm import RMSNorm
-from qwen3_model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from qwen3_model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear_silu_and_mul,
+)
 from qwen3_model.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -85,10 +89,11 @@ class Qwen3MLP(nn.Module):
         i = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
         self.down_proj = RowParallelLinear(i, config.hidden_size, reduce_results=False)  # as o_proj
-        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        # silu_and_mul(gate_up_proj(x)), fused into the GEMV where that runs
+        h = linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, I]
+        return self.down_proj(h)
 
 
 class Qwen3DecoderLayer(nn.Module):

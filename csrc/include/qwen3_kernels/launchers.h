@@ -90,6 +90,18 @@ cudaError_t qkv_gemm(void* out,        // [M, N]
                      void* workspace,  // qkv_gemm_workspace_size(m, n, k, dtype) bytes, any content
                      size_t workspace_bytes, DType dtype, cudaStream_t stream);
 
+// out[M, I] = silu(g) * u where [g | u] = x[M, K] @ w[2I, K]^T, each rounded to the dtype (the
+// MLP's gate_up projection and its activation in one pass over the weight, nothing [M, 2I] written).
+// The weight-streaming GEMV (kernels/gemm/qkv_gemm_gemv.cu): M <= linear_silu_and_mul_max_tokens,
+// contiguous 16-byte aligned operands, 2I and K multiples of 8, sm_80+; cudaErrorNotSupported
+// otherwise (the caller then runs the GEMM and silu_and_mul).
+constexpr int64_t linear_silu_and_mul_max_tokens = 8;
+cudaError_t linear_silu_and_mul(void* out,      // [M, I]
+                                const void* x,  // [M, K]
+                                const void* w,  // [2I, K]: gate rows, then up rows
+                                int64_t m, int64_t two_i, int64_t k, DType dtype,
+                                cudaStream_t stream);
+
 // ---- custom_all_reduce.cu --------------------------------------------------------------------
 // One-shot tensor-parallel all-reduce over peer (NVLink) memory: s = sum over ranks of x in rank
 // order (fp32, rounded to the dtype); add_rms_norm: residual += s, x = rms_norm(residual) * weight,

@@ -62,5 +62,8 @@ int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count);
 constexpr int kGemvMaxM = 8;
 cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp);
 int gemv_default_rows_per_warp(int64_t m, int64_t n);
+// The same GEMV with silu_and_mul fused into its end: p.n = 2 I weight rows (gate | up), p.out is
+// [m, I] = silu(gate) * up (linear_silu_and_mul). rows_per_warp 2 or 4 (0 = the default, >= 2).
+cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp);
 
 }  // namespace qwen3_kernels::qkv_gemm_detail

@@ -23,11 +23,24 @@
 // Cost per 8 columns of one row and NT tokens: 8 NT FMAs, 8 / NT weight converts and 8 / R x
 // converts per FMA slot: at M = 8 (R = 4) about 1.4 instructions per FMA, ~8 us of issue on the
 // H200 for the 8B shape against ~12 us of weight streaming, so even M = 8 should stay memory-bound.
+//
+// Launch variants (QWEN3_GEMV_VARIANT, read once; qwen3_gemv_set_variant for the benchmarks):
+//   auto  a plain launch
+//   pdl   programmatic dependent launch (sm_90): the CTAs are scheduled while the kernel before
+//         drains and wait (griddepcontrol.wait) before reading x; they let the next PDL kernel be
+//         scheduled right after.
+// Measured (benchmarks/decode_step.py, H200, 2026-11-30, graph replay of a whole Qwen3-8B decode
+// step at batch 1, two calls): pdl 2.6-3.0% slower than a plain launch at TP 1, 0.4-1.6% faster on
+// one TP-2 rank's shapes, i.e. within that benchmark's noise; asking L2 for the first 16 / 64 KB
+// of each CTA's rows before the wait lost 1-12%, and 8 loads per stage instead of 4 lost 6-11%
+// (both removed). So the plain launch stays the default.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "qkv_gemm_configs.h"
+#include "qwen3_kernels/launchers.h"
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/tuning.cuh"
 
 namespace qwen3_kernels::qkv_gemm_detail {
 namespace {
@@ -36,6 +49,14 @@ constexpr int kWarps = 4;                 // per CTA
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLoadsPerStage = 4;         // 16-byte weight loads per thread per pipeline stage
 constexpr int kSlice = 32 * 8;            // columns one warp covers with one 16-byte load per lane
+
+enum Variant { kAuto, kPdl, kNumVariants };
+constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl"};
+
+VariantKnob<kNumVariants>& knob() {
+  static VariantKnob<kNumVariants> k("QWEN3_GEMV_VARIANT", kVariantNames);
+  return k;
+}
 
 // 16 bytes of the weight: read once, never again, so keep it out of L1 and fetch whole L2 lines.
 __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -89,26 +110,40 @@ __device__ __forceinline__ void load_stage(uint4 (&buf)[R][U], const T* const (&
 }
 
 // Grid ceil(n / (4 R)) CTAs of 4 warps; warp w of CTA b owns rows (4 b + w) R .. + R - 1.
-template <typename T, int NT, int R>
+// kPdl: launched with PDL; nothing is read before the previous kernel has finished.
+// kSilu (linear_silu_and_mul): w is [gate; up], n = 2 I rows, out is [m, I] = silu(g) * u. A warp
+// owns P = R / 2 output columns j0 .. j0 + P - 1 and streams gate rows j0.. and up rows I + j0..,
+// so both factors of an output meet in one warp's registers and the [m, 2 I] product is never
+// written. Grid ceil(I / (4 P)).
+template <typename T, int NT, int R, bool kPdl, bool kSilu>
 __global__ void __launch_bounds__(kThreads)
-    gemv_kernel(T* __restrict__ out,        // [m, n]
+    gemv_kernel(T* __restrict__ out,        // [m, n], or [m, n / 2] (kSilu)
                 const T* __restrict__ x,    // [m, k], m <= NT
                 const T* __restrict__ w,    // [n, k]
                 int m, int n, int k) {
   constexpr int U = kLoadsPerStage / R;  // slices per row per stage
   constexpr int kStep = U * kSlice;      // columns per stage
+  constexpr int P = kSilu ? R / 2 : R;   // output columns per warp
   static_assert(NT * R <= 32, "one lane stores each (token, row) result");
+  static_assert(!kSilu || R % 2 == 0, "kSilu pairs gate and up rows");
 
+  if constexpr (kPdl) {
+    pdl_wait();  // x may be the previous kernel's output, out its input
+    pdl_launch_dependents();
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n0 = (blockIdx.x * kWarps + warp) * R;
-  // n % 8 == 0 and R divides 8, so a warp's R rows are all in range or all out of it. No barrier
-  // follows, so the idle warps of the last CTA can leave.
-  if (n0 >= n) return;
+  const int n_out = kSilu ? n / 2 : n;
+  const int j0 = (blockIdx.x * kWarps + warp) * P;  // first output column of this warp
+  // weight row of the warp's r-th row
+  auto row_of = [&](int r) { return kSilu && r >= P ? n_out + j0 + (r - P) : j0 + r; };
+  // n_out % P == 0 (n % 8 == 0, P divides 4), so a warp's rows are all in range or all out of it.
+  // No barrier follows, so the idle warps of the last CTA can leave.
+  if (j0 >= n_out) return;
   const int lane_col = 8 * lane;
 
   const T* rows[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = w + static_cast<int64_t>(n0 + r) * k;
+  for (int r = 0; r < R; ++r) rows[r] = w + static_cast<int64_t>(row_of(r)) * k;
   const T* xr[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) xr[t] = x + static_cast<int64_t>(min(t, m - 1)) * k + lane_col;
@@ -149,46 +184,68 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < U; ++u) cur[r][u] = nxt[r][u];
   }
 
-  // Every lane ends with every sum (xor butterfly); lane t R + r stores (token t, row r).
+  // Every lane ends with every sum (xor butterfly); lane t P + r stores (token t, column j0 + r).
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float s = warp_sum(acc[t][r]);
-      if (lane == t * R + r && t < m) out[static_cast<int64_t>(t) * n + n0 + r] = from_float<T>(s);
+    for (int r = 0; r < P; ++r) {
+      float s = warp_sum(acc[t][r]);
+      if constexpr (kSilu) {
+        // g and u rounded to T first, as the unfused GEMM's output would be; then silu_and_mul's
+        // math (fp32, one rounding)
+        const float g = to_float(from_float<T>(s));
+        const float u = to_float(from_float<T>(warp_sum(acc[t][P + r])));
+        s = g / (1.0f + __expf(-g)) * u;
+      }
+      if (lane == t * P + r && t < m)
+        out[static_cast<int64_t>(t) * n_out + j0 + r] = from_float<T>(s);
     }
   }
 }
 
-template <typename T, int NT, int R>
+template <typename T, int NT, int R, bool kSilu>
 cudaError_t launch(const Problem& p) {
-  const int64_t rows_per_cta = static_cast<int64_t>(kWarps) * R;
-  const dim3 grid(static_cast<unsigned>((p.n + rows_per_cta - 1) / rows_per_cta));
-  gemv_kernel<T, NT, R><<<grid, kThreads, 0, p.stream>>>(
-      static_cast<T*>(p.out), static_cast<const T*>(p.x), static_cast<const T*>(p.w),
-      static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k));
+  const int64_t cols_per_cta = static_cast<int64_t>(kWarps) * (kSilu ? R / 2 : R);
+  const int64_t n_out = kSilu ? p.n / 2 : p.n;
+  const dim3 grid(static_cast<unsigned>((n_out + cols_per_cta - 1) / cols_per_cta));
+  const bool pdl = knob().get() == kPdl && current_device_info().cc_major >= 9;
+  T* out = static_cast<T*>(p.out);
+  const T* x = static_cast<const T*>(p.x);
+  const T* w = static_cast<const T*>(p.w);
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  if (pdl) {
+    return launch_ex(gemv_kernel<T, NT, R, true, kSilu>, grid, dim3(kThreads), p.stream, true, 1,
+                     out, x, w, m, n, k);
+  }
+  gemv_kernel<T, NT, R, false, kSilu><<<grid, kThreads, 0, p.stream>>>(out, x, w, m, n, k);
   return cudaGetLastError();
 }
 
-template <typename T, int NT>
+template <typename T, int NT, bool kSilu>
 cudaError_t launch_for_rows(const Problem& p, int rows_per_warp) {
   switch (rows_per_warp) {
     case 1:
-      return launch<T, NT, 1>(p);
+      if constexpr (!kSilu) return launch<T, NT, 1, false>(p);
+      return cudaErrorNotSupported;  // kSilu needs a gate row and an up row per warp
     case 2:
-      return launch<T, NT, 2>(p);
+      return launch<T, NT, 2, kSilu>(p);
     case 4:
-      return launch<T, NT, 4>(p);
+      return launch<T, NT, 4, kSilu>(p);
   }
   return cudaErrorNotSupported;
 }
 
-template <typename T>
+template <typename T, bool kSilu>
 cudaError_t launch_for_m(const Problem& p, int rows_per_warp) {
-  if (p.m <= 1) return launch_for_rows<T, 1>(p, rows_per_warp);
-  if (p.m <= 2) return launch_for_rows<T, 2>(p, rows_per_warp);
-  if (p.m <= 4) return launch_for_rows<T, 4>(p, rows_per_warp);
-  return launch_for_rows<T, 8>(p, rows_per_warp);
+  if (p.m <= 1) return launch_for_rows<T, 1, kSilu>(p, rows_per_warp);
+  if (p.m <= 2) return launch_for_rows<T, 2, kSilu>(p, rows_per_warp);
+  if (p.m <= 4) return launch_for_rows<T, 4, kSilu>(p, rows_per_warp);
+  return launch_for_rows<T, 8, kSilu>(p, rows_per_warp);
+}
+
+bool gemv_fits(const Problem& p) {
+  return p.m >= 1 && p.m <= kGemvMaxM && p.n % 8 == 0 && p.k % 8 == 0 && p.n >= 8 && p.k >= 8 &&
+         p.n <= (int64_t{1} << 30) && p.k <= (int64_t{1} << 30);
 }
 
 }  // namespace
@@ -206,12 +263,51 @@ int gemv_default_rows_per_warp(int64_t m, int64_t n) {
 
 cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp) {
   if (rows_per_warp == 0) rows_per_warp = gemv_default_rows_per_warp(p.m, p.n);
-  if (p.m < 1 || p.m > kGemvMaxM || p.n % 8 != 0 || p.k % 8 != 0 || p.n < 8 || p.k < 8 ||
-      p.n > (int64_t{1} << 30) || p.k > (int64_t{1} << 30)) {
-    return cudaErrorNotSupported;
-  }
-  return bf16 ? launch_for_m<__nv_bfloat16>(p, rows_per_warp)
-              : launch_for_m<__half>(p, rows_per_warp);
+  if (!gemv_fits(p)) return cudaErrorNotSupported;
+  return bf16 ? launch_for_m<__nv_bfloat16, false>(p, rows_per_warp)
+              : launch_for_m<__half, false>(p, rows_per_warp);
+}
+
+cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp) {
+  // rows per warp by the whole [2 I, K] weight, as for the unfused GEMV; at least one gate + up pair
+  if (rows_per_warp == 0) rows_per_warp = gemv_default_rows_per_warp(p.m, p.n);
+  if (rows_per_warp < 2) rows_per_warp = 2;
+  if (!gemv_fits(p)) return cudaErrorNotSupported;
+  return bf16 ? launch_for_m<__nv_bfloat16, true>(p, rows_per_warp)
+              : launch_for_m<__half, true>(p, rows_per_warp);
 }
 
 }  // namespace qwen3_kernels::qkv_gemm_detail
+
+namespace qwen3_kernels {
+
+cudaError_t linear_silu_and_mul(void* out, const void* x, const void* w, int64_t m, int64_t two_i,
+                                int64_t k, DType dtype, cudaStream_t stream) {
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
+  if (m > linear_silu_and_mul_max_tokens) return cudaErrorNotSupported;
+  qkv_gemm_detail::Problem p{};
+  p.out = out;
+  p.x = x;
+  p.w = w;
+  p.m = m;
+  p.n = two_i;
+  p.k = k;
+  p.stream = stream;
+  return qkv_gemm_detail::gemv_silu_and_mul(p, dtype == DType::kBFloat16, 0);
+}
+
+}  // namespace qwen3_kernels
+
+// ---- tuning hooks (C ABI, for the benchmarks) ---------------------------------------------------
+
+// Selects the launch variant of the following GEMV launches; returns the previous index, or -1
+// (nothing changed) when v is out of range.
+QWEN3_TUNING_EXPORT int qwen3_gemv_set_variant(int v) {
+  return qwen3_kernels::qkv_gemm_detail::knob().set(v);
+}
+QWEN3_TUNING_EXPORT int qwen3_gemv_get_variant() { return qwen3_kernels::qkv_gemm_detail::knob().get(); }
+QWEN3_TUNING_EXPORT int qwen3_gemv_num_variants() { return qwen3_kernels::qkv_gemm_detail::kNumVariants; }
+// The variant's name, or nullptr out of range.
+QWEN3_TUNING_EXPORT const char* qwen3_gemv_variant_name(int v) {
+  return qwen3_kernels::qkv_gemm_detail::knob().name(v);
+}

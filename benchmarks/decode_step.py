@@ -7,6 +7,7 @@ re-captures the graphs).
     python decode_step.py --size 8B --shard 2        # one rank's shapes under tensor parallel 2
                                                            # (heads and MLP halved; no all-reduce)
     python decode_step.py --size 8B --variants default,gemv=pdl,fuse=0
+    python decode_step.py --size 8B --profile silu=auto_nopdl+norm=auto_nopdl   # + kernel by kernel
 
 Why: bench_engine.py --batch1 times the whole loop (sampling, host, streaming) and needs ~40 s
 per setting; this times what the kernels can change, the graph replay (events around 200
@@ -96,6 +97,33 @@ def time_replay(runner, bs: int, context: int, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
+def profile_replay(runner, bs: int, replays: int = 10, top: int = 25) -> None:
+    """Kernel by kernel: each kernel's device time per step, and what the step spends between
+    kernels (replay time minus the kernels' sum). With PDL on, a kernel's time includes its wait
+    for the one before (griddepcontrol.wait), so profile a variant with PDL off to read gaps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner.graphs[bs]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0
+                   and getattr(e, "device_type", None) == DeviceType.CUDA),
+                  key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows) / replays
+    launches = sum(e.count for e in rows) / replays
+    print(f"\nkernels: {launches:.0f} a step, {total:,.1f} us of kernel time a step")
+    print("| kernel | calls/step | us/step | us/call |\n|---|---|---|---|")
+    for e in rows[:top]:
+        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+        us, calls = e.self_device_time_total / replays, e.count / replays
+        print(f"| `{name}` | {calls:.0f} | {us:,.1f} | {us / max(calls, 1):.2f} |")
+    return total, launches
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(QWEN3_SIZES), default="8B")
@@ -106,6 +134,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--profile", metavar="VARIANT",
+                   help="then profile this variant's replays kernel by kernel ('default' for none)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_step.py needs a CUDA GPU")
@@ -142,6 +172,19 @@ def main(argv=None):
             first = first or us
             print(f"| {variant} | {us:,.1f} | {weight_bytes / us / 1e6:.2f} TB/s | "
                   f"{first / us:.3f}x |", flush=True)
+        if args.profile:
+            undo = apply(args.profile)
+            try:
+                runner.graphs.clear()
+                torch.cuda.synchronize()
+                runner.capture_cudagraph()
+                us = time_replay(runner, args.batch, args.context, args.replays)
+                total, launches = profile_replay(runner, args.batch)
+            finally:
+                restore(undo)
+            print(f"{args.profile}: replay {us:,.1f} us/step, kernels {total:,.1f} us: "
+                  f"{us - total:,.1f} us between kernels, {(us - total) / max(launches, 1):.2f} us "
+                  f"per kernel boundary")
         llm.close()
 
 

@@ -187,7 +187,8 @@ class ModelRunner:
 
             load_model(self.model, config.model)
         self.model.eval()
-        if self.world_size > 1:  # opt-in (QWEN3_TP_ALLREDUCE=symm_mem); a collective: every rank
+        # QWEN3_TP_ALLREDUCE=custom | symm_mem (opt-in); a collective: every rank
+        if self.world_size > 1:
             init_one_shot_all_reduce(hf.hidden_size, config.torch_dtype, self.device)
         self.sampler = Sampler()
         self.attn_modules = [m for m in self.model.modules()

@@ -504,10 +504,12 @@ void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& 
 
 // buffer: this rank's receive buffer (uint8, peer-writable: torch symmetric memory), split into
 // 2 halves x world slots; peer_ptrs [world] int64 (device): every rank's buffer as mapped here;
-// counters [2] int32 (device, zeroed at setup). Returns the bytes of one slot.
+// counters [2] int32 (device, zeroed at setup); abort_flag [1] int32 in pinned host memory, which
+// the kernel reads over PCIe (its device address from cudaHostGetDevicePointer). Returns the
+// bytes of one slot.
 int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
                                  const at::Tensor& peer_ptrs, const at::Tensor& counters,
-                                 int64_t rank, const char* op) {
+                                 const at::Tensor& abort_flag, int64_t rank, const char* op) {
   check_cuda(x, x, op, "x");
   half_dtype(x, op, "x");
   check_dim(x, 2, op, "x");
@@ -532,6 +534,12 @@ int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
   check_contiguous(counters, op, "counters");
   QK_CHECK(counters.dim() == 1 && counters.size(0) == 2, "qwen3_kernels.", op,
            ": counters must be [2] int32, got ", counters.sizes());
+  QK_CHECK(abort_flag.device().is_cpu() && abort_flag.is_pinned() &&
+               abort_flag.scalar_type() == at::kInt && abort_flag.numel() >= 1,
+           "qwen3_kernels.", op, ": abort_flag must be a pinned CPU int32 tensor of one element "
+           "(torch.zeros(1, dtype=torch.int32, pin_memory=True)), got ", abort_flag.scalar_type(),
+           " ", abort_flag.sizes(), " on ", abort_flag.device(),
+           abort_flag.device().is_cpu() && !abort_flag.is_pinned() ? " (not pinned)" : "");
   const int64_t slot_bytes = buffer.numel() / (2 * world) / 32 * 32;
   QK_CHECK(x.size(0) * x.size(1) * 4 <= slot_bytes, "qwen3_kernels.", op, ": x ", x.sizes(),
            " needs ", x.size(0) * x.size(1) * 4, " bytes per slot, the buffer's slots hold ",
@@ -541,14 +549,21 @@ int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
 
 void run_tp_all_reduce(at::Tensor& x, at::Tensor* residual, const at::Tensor* weight, double eps,
                        at::Tensor& buffer, const at::Tensor& peer_ptrs, at::Tensor& counters,
-                       int64_t rank, const char* op) {
-  const int64_t slot_bytes = check_tp_all_reduce_args(x, buffer, peer_ptrs, counters, rank, op);
+                       const at::Tensor& abort_flag, int64_t rank, const char* op) {
+  const int64_t slot_bytes =
+      check_tp_all_reduce_args(x, buffer, peer_ptrs, counters, abort_flag, rank, op);
   if (x.size(0) == 0) return;  // every rank alike: no launch, the call count stays
   const c10::cuda::CUDAGuard guard(x.device());
+  void* abort_dev = nullptr;  // the pinned word's address on the device (mapped host memory)
+  const cudaError_t mapped = cudaHostGetDevicePointer(&abort_dev, abort_flag.data_ptr(), 0);
+  if (mapped != cudaSuccess) cudaGetLastError();
+  QK_CHECK(mapped == cudaSuccess, "qwen3_kernels.", op, ": abort_flag's pinned memory is not "
+           "mapped into the device's address space: ", cudaGetErrorString(mapped));
   check_launch(qwen3_kernels::tp_all_reduce(
                    x.data_ptr(), residual ? residual->data_ptr() : nullptr,
                    weight ? weight->data_ptr() : nullptr, peer_ptrs.data_ptr<int64_t>(),
-                   reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>()), x.size(0),
+                   reinterpret_cast<uint32_t*>(counters.data_ptr<int32_t>()),
+                   static_cast<const int32_t*>(abort_dev), x.size(0),
                    x.size(1), slot_bytes, static_cast<int>(peer_ptrs.numel()),
                    static_cast<int>(rank), residual != nullptr, static_cast<float>(eps),
                    half_dtype(x, op, "x"), c10::cuda::getCurrentCUDAStream()),
@@ -556,14 +571,15 @@ void run_tp_all_reduce(at::Tensor& x, at::Tensor* residual, const at::Tensor* we
 }
 
 void tp_all_reduce(at::Tensor& x, at::Tensor& buffer, const at::Tensor& peer_ptrs,
-                   at::Tensor& counters, int64_t rank) {
-  run_tp_all_reduce(x, nullptr, nullptr, 0.0, buffer, peer_ptrs, counters, rank,
+                   at::Tensor& counters, const at::Tensor& abort_flag, int64_t rank) {
+  run_tp_all_reduce(x, nullptr, nullptr, 0.0, buffer, peer_ptrs, counters, abort_flag, rank,
                     "tp_all_reduce");
 }
 
 void tp_all_reduce_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                 double eps, at::Tensor& buffer, const at::Tensor& peer_ptrs,
-                                at::Tensor& counters, int64_t rank) {
+                                at::Tensor& counters, const at::Tensor& abort_flag,
+                                int64_t rank) {
   const char* op = "tp_all_reduce_add_rms_norm";
   check_norm_args(x, weight, eps, op);
   check_cuda(residual, x, op, "residual");
@@ -574,7 +590,7 @@ void tp_all_reduce_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::T
   QK_CHECK(reinterpret_cast<uintptr_t>(residual.data_ptr()) % 16 == 0 &&
                reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
            "qwen3_kernels.", op, ": residual and weight must start 16-byte aligned");
-  run_tp_all_reduce(x, &residual, &weight, eps, buffer, peer_ptrs, counters, rank, op);
+  run_tp_all_reduce(x, &residual, &weight, eps, buffer, peer_ptrs, counters, abort_flag, rank, op);
 }
 
 }  // namespace
@@ -616,13 +632,16 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
   ops.def("sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()");
   ops.impl("sample_tokens", torch::kCUDA, &sample_tokens);
   // x = sum of x over the TP ranks (one-shot over peer memory; buffer [bytes] uint8 this rank's
-  // receive buffer, peer_ptrs [world] int64, counters [2] int32: the device-side call count)
-  ops.def("tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()");
+  // receive buffer, peer_ptrs [world] int64, counters [2] int32: the device-side call count,
+  // abort_flag [1] int32 pinned host: set when a peer died, the kernel then stops waiting)
+  ops.def(
+      "tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, "
+      "Tensor abort_flag, int rank) -> ()");
   ops.impl("tp_all_reduce", torch::kCUDA, &tp_all_reduce);
   // the same, then residual += x; x = rms_norm(residual) (x, residual [T, H]; weight [H])
   ops.def(
       "tp_all_reduce_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
-      "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()");
+      "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank) -> ()");
   ops.impl("tp_all_reduce_add_rms_norm", torch::kCUDA, &tp_all_reduce_add_rms_norm);
 }
 

@@ -45,11 +45,12 @@ SCHEMAS = {
         "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
     ),
     "tp_all_reduce": (
-        "tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()"
+        "tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, "
+        "Tensor abort_flag, int rank) -> ()"
     ),
     "tp_all_reduce_add_rms_norm": (
         "tp_all_reduce_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
-        "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, int rank) -> ()"
+        "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank) -> ()"
     ),
 }
 
@@ -487,7 +488,7 @@ def tp_all_reduce_buffer_bytes(max_rows: int, hidden: int, world: int) -> int:
     return 2 * world * max_rows * hidden * 4
 
 
-def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank):
+def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank):
     _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     if not (_HAS_CUDA_KERNELS and x.is_cuda and x.dtype in _KERNEL_DTYPES):
         _fail(op, "runs only as the CUDA kernel: x must be a float16 / bfloat16 CUDA tensor and the "
@@ -505,6 +506,11 @@ def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank):
         _fail(op, f"rank must be an int in [0, {world}), got {rank!r}")
     _check_tensor(op, "counters", counters, ndim=1, dtype=torch.int32, device=x.device)
     _check_shape(op, "counters", counters, (2,))
+    _check_tensor(op, "abort_flag", abort_flag, ndim=1, dtype=torch.int32, device=torch.device("cpu"))
+    _check_shape(op, "abort_flag", abort_flag, (1,))
+    if not abort_flag.is_pinned():
+        _fail(op, "abort_flag must be in pinned memory (torch.zeros(1, dtype=torch.int32, "
+                  "pin_memory=True)): the kernel reads it while it waits")
     _check_tensor(op, "buffer", buffer, ndim=1, dtype=torch.uint8, device=x.device)
     need = tp_all_reduce_buffer_bytes(t, h, world)
     if buffer.numel() < need:
@@ -513,7 +519,7 @@ def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank):
 
 
 def tp_all_reduce(x: torch.Tensor, buffer: torch.Tensor, peer_ptrs: torch.Tensor,
-                  counters: torch.Tensor, rank: int) -> torch.Tensor:
+                  counters: torch.Tensor, abort_flag: torch.Tensor, rank: int) -> torch.Tensor:
     """In place: x = sum of x over the tensor-parallel ranks (rank order, fp32, rounded to x's
     dtype); every rank gets bit-identical x. A collective: every rank calls it with its x.
 
@@ -522,16 +528,20 @@ def tp_all_reduce(x: torch.Tensor, buffer: torch.Tensor, peer_ptrs: torch.Tensor
                at least ``tp_all_reduce_buffer_bytes(T, H, world)``
     peer_ptrs  [world] int64 (device): every rank's buffer address as mapped in this process
     counters   [2] int32 (device, zeroed once): the call count the kernel keeps (CUDA graphs)
+    abort_flag [1] int32 in pinned host memory, 0 while all is well: set it to nonzero when a
+               peer has died, and this call (and every later one) stops waiting for it and
+               returns meaningless sums instead of spinning (or trapping after ~2^26 polls)
     """
     op = "tp_all_reduce"
-    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank)
-    _OPS.tp_all_reduce(x, buffer, peer_ptrs, counters, int(rank))
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank)
+    _OPS.tp_all_reduce(x, buffer, peer_ptrs, counters, abort_flag, int(rank))
     return x
 
 
 def tp_all_reduce_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    buffer: torch.Tensor, peer_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
+    buffer: torch.Tensor, peer_ptrs: torch.Tensor, counters: torch.Tensor,
+    abort_flag: torch.Tensor, rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, one kernel: s = the sum of x over the ranks (as ``tp_all_reduce``);
     residual += s; x = rms_norm(residual) * weight. residual [T, H] contiguous, weight [H]."""
@@ -540,9 +550,9 @@ def tp_all_reduce_add_rms_norm(
     _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
     _check_shape(op, "residual", residual, x.shape)
     _check_contiguous(op, "residual", residual)
-    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, rank)
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank)
     _OPS.tp_all_reduce_add_rms_norm(x, residual, weight, float(eps), buffer, peer_ptrs, counters,
-                                    int(rank))
+                                    abort_flag, int(rank))
     return x, residual
 
 

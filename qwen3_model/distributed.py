@@ -111,16 +111,16 @@ class _OneShotAllReduce:
 # own buffer until every peer's flag arrived, sums in rank order and, after a row-parallel layer,
 # does the residual add + RMSNorm in the same kernel. One kernel instead of NCCL's all-reduce plus
 # the norm. Tensors of up to QWEN3_TP_CUSTOM_MAX_ROWS rows (default CUSTOM_MAX_ROWS) take it,
-# larger ones stay on NCCL. A peer that never writes (dead) makes the kernel trap after ~2^26
-# polls: the launch fails instead of hanging.
+# larger ones stay on NCCL. A peer that never writes (dead) is waited for until the engine sets
+# the abort word (abort_custom_all_reduce, from its worker watch): the kernel then returns; with
+# nobody setting it the kernel traps after ~2^26 polls, so the launch fails instead of hanging.
 # Measured on two H200s (RESULTS.md, 2026-11-30, third session): 4.1 us per [1, 4096] bf16 all-reduce with
 # the norm inside a CUDA graph (NCCL 12.9 us, and the norm is another kernel); Qwen3-8B TP-2
 # batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1 on 7/8 prompts,
-# as with NCCL. Why it is not the default yet: when a worker is killed, the trap's CUDA error
-# reaches torch's NCCL watchdog thread first, which terminates rank 0 (SIGABRT) before the engine
-# can raise its error (tests/test_engine_tp.py, two GPUs, both variants, 2026-11-30, third session). The
-# kernel needs an abort word that the engine's worker watch can set, so that it returns instead
-# of trapping.
+# as with NCCL. Why it is not the default yet: when a worker was killed, the trap's CUDA error
+# reached torch's NCCL watchdog thread first, which terminated rank 0 (SIGABRT) before the engine
+# could raise its error (tests/test_engine_tp.py, two GPUs, both variants, 2026-11-30, third
+# session). The abort word above is the answer, not yet run on a GPU.
 
 CUSTOM_MAX_ROWS = 512
 _CUSTOM: "_CustomAllReduce | None" = None
@@ -175,6 +175,8 @@ class _CustomAllReduce:
         offset = self.buf.data_ptr() - ptrs[rank]
         self.peer_ptrs = torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=device)
         self.counters = torch.zeros(2, dtype=torch.int32, device=device)  # call count, CTAs done
+        # pinned host word the kernel reads while it waits: set by abort() when a peer died
+        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         torch.cuda.synchronize(device)
         dist.barrier()
         self.max_rows, self.hidden, self.dtype, self.rank = max_rows, hidden, dtype, rank
@@ -186,13 +188,20 @@ class _CustomAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import qwen3_kernels
 
-        return qwen3_kernels.tp_all_reduce(x, self.buf, self.peer_ptrs, self.counters, self.rank)
+        return qwen3_kernels.tp_all_reduce(x, self.buf, self.peer_ptrs, self.counters,
+                                           self.abort_flag, self.rank)
 
     def add_rms_norm(self, x, residual, weight, eps):
         import qwen3_kernels
 
         return qwen3_kernels.tp_all_reduce_add_rms_norm(
-            x, residual, weight, eps, self.buf, self.peer_ptrs, self.counters, self.rank)
+            x, residual, weight, eps, self.buf, self.peer_ptrs, self.counters, self.abort_flag,
+            self.rank)
+
+    def abort(self) -> None:
+        """A peer died: the waiting kernel (and every later one) returns instead of spinning.
+        A host write to pinned memory: no CUDA call, safe from any thread."""
+        self.abort_flag.numpy()[0] = 1
 
 
 def allreduce_choice() -> str:
@@ -220,6 +229,14 @@ def init_one_shot_all_reduce(hidden_size: int, dtype: torch.dtype, device: torch
     else:
         _ONE_SHOT = _OneShotAllReduce(ONE_SHOT_MAX_ROWS * hidden_size, dtype, device)
     return True
+
+
+def abort_custom_all_reduce() -> None:
+    """This process learnt that a tensor-parallel peer died: our all-reduce stops waiting for it
+    (every call from now on returns meaningless sums), so the stream, and a CUDA graph's replay,
+    drains and the engine can raise its error. No-op without it."""
+    if _CUSTOM is not None:
+        _CUSTOM.abort()
 
 
 def release_one_shot_all_reduce() -> None:

@@ -47,6 +47,8 @@ def _args(t=3, h=64, world=2, dtype=torch.bfloat16, device="cpu"):
         buffer=torch.zeros(ops.tp_all_reduce_buffer_bytes(t, h, world), dtype=torch.uint8, device=device),
         peer_ptrs=torch.zeros(world, dtype=torch.int64, device=device),
         counters=torch.zeros(2, dtype=torch.int32, device=device),
+        # pinned where CUDA exists (what the op needs); a plain CPU tensor otherwise
+        abort_flag=torch.zeros(1, dtype=torch.int32, pin_memory=torch.cuda.is_available()),
         rank=0,
     )
 
@@ -63,13 +65,15 @@ def test_wrappers_refuse_cpu_with_a_clear_error():
     with pytest.raises(ValueError, match="tp_all_reduce_add_rms_norm: runs only as the CUDA kernel"):
         qwen3_kernels.tp_all_reduce_add_rms_norm(a["x"], torch.zeros(3, 64, dtype=torch.bfloat16),
                                                  torch.ones(64, dtype=torch.bfloat16), 1e-6,
-                                                 a["buffer"], a["peer_ptrs"], a["counters"], 0)
+                                                 a["buffer"], a["peer_ptrs"], a["counters"],
+                                                 a["abort_flag"], 0)
 
 
 def test_raw_op_on_cpu_says_it_needs_peers():
     a = _args()
     with pytest.raises(RuntimeError, match="needs the CUDA extension and CUDA peers"):
-        torch.ops.qwen3_kernels.tp_all_reduce(a["x"], a["buffer"], a["peer_ptrs"], a["counters"], 0)
+        torch.ops.qwen3_kernels.tp_all_reduce(a["x"], a["buffer"], a["peer_ptrs"], a["counters"],
+                                              a["abort_flag"], 0)
 
 
 needs_cuda_kernels = pytest.mark.skipif(
@@ -88,6 +92,10 @@ needs_cuda_kernels = pytest.mark.skipif(
         (dict(counters=lambda a: torch.zeros(3, dtype=torch.int32, device="cuda")), "counters"),
         (dict(counters=lambda a: torch.zeros(2, dtype=torch.int64, device="cuda")), "counters"),
         (dict(buffer=lambda a: a["buffer"][:-32]), "needs a receive buffer of"),
+        (dict(abort_flag=lambda a: torch.zeros(1, dtype=torch.int32, device="cuda")), "abort_flag"),
+        (dict(abort_flag=lambda a: torch.zeros(1, dtype=torch.int32)), "pinned memory"),
+        (dict(abort_flag=lambda a: torch.zeros(2, dtype=torch.int32, pin_memory=True)), "abort_flag"),
+        (dict(abort_flag=lambda a: torch.zeros(1, dtype=torch.int64, pin_memory=True)), "abort_flag"),
         (dict(x=lambda a: torch.zeros(3, 64, dtype=torch.float32, device="cuda")), "float16 / bfloat16"),
     ],
 )

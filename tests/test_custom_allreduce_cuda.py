@@ -2,7 +2,8 @@
 (QWEN3_TP_ALLREDUCE=custom), against the fp32 reference of all_reduce + fused_add_rms_norm; both
 ranks bit-identical; many calls in a row and from a CUDA graph replayed with changing inputs (the
 device-side call count and the two buffer halves). Every launch variant (QWEN3_CAR_VARIANT).
-Skips without 2 GPUs:
+A peer that never arrives: the call waits until the abort word is set, then returns. Skips
+without 2 GPUs:
     pytest -q -s tests/test_custom_allreduce_cuda.py
 """
 
@@ -57,6 +58,40 @@ def _check(what, x, res, parts, residual, weight, norm):
         torch.testing.assert_close(x, ref.tp_all_reduce(parts), atol=0, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
+def _abort_unblocks_a_waiting_call(car, bufs):
+    import threading
+    import time
+
+    x = torch.ones(2, 4096, dtype=torch.bfloat16, device="cuda")
+    res = torch.zeros_like(x)
+    w = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # capture launches nothing: no peer needed
+        with torch.cuda.graph(g, stream=stream):
+            qwen3_kernels.tp_all_reduce_add_rms_norm(x, res, w, EPS, *bufs)
+            qwen3_kernels.tp_all_reduce(x, *bufs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    timer = threading.Timer(1.0, car.abort)
+    start = time.monotonic()
+    timer.start()
+    qwen3_kernels.tp_all_reduce(x, *bufs)  # eager: waits for rank 1's packets
+    g.replay()
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    timer.join()
+    assert 0.9 <= waited < 20, f"the aborted all-reduce returned after {waited:.1f} s"
+    start = time.monotonic()
+    for _ in range(3):  # the word stays set: later calls do not wait
+        qwen3_kernels.tp_all_reduce(x, *bufs)
+        g.replay()
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 1.0
+    torch.ones(1, device="cuda").sum().item()  # the context is healthy (a trap would poison it)
+
+
 def _worker(rank, world, port, variant):
     os.environ["QWEN3_CAR_VARIANT"] = variant  # read by the extension at its first launch
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -66,7 +101,7 @@ def _worker(rank, world, port, variant):
     from qwen3_model.distributed import _CustomAllReduce
 
     car = _CustomAllReduce(max(ROWS), max(HIDDENS), torch.bfloat16, torch.device("cuda", rank))
-    bufs = (car.buf, car.peer_ptrs, car.counters, rank)
+    bufs = (car.buf, car.peer_ptrs, car.counters, car.abort_flag, rank)
     try:
         # 1. every shape and dtype, fused and plain, one call at a time
         seed = 0
@@ -156,6 +191,13 @@ def _worker(rank, world, port, variant):
         with pytest.raises(ValueError, match="needs a receive buffer of"):
             qwen3_kernels.tp_all_reduce(big, *bufs)
         torch.cuda.synchronize()
+        dist.barrier()
+
+        # 6. a peer that never comes (last: the ranks' call counts part here). Rank 1 stays out;
+        # rank 0's calls, eager and from a graph, wait until its abort word is set from another
+        # thread, then return (no trap: the context stays usable), and so do later calls at once.
+        if rank == 0:
+            _abort_unblocks_a_waiting_call(car, bufs)
         dist.barrier()
     finally:
         del car, bufs

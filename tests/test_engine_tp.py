@@ -213,16 +213,21 @@ def bf16_ckpt(tmp_path_factory):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("which", ["fp32_eager", "bf16_graphs"])
-def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(which, request):
+@pytest.mark.parametrize("which,allreduce", [("fp32_eager", "nccl"), ("bf16_graphs", "nccl"),
+                                             ("fp32_eager", "custom"), ("bf16_graphs", "custom")])
+def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(which, allreduce, request):
+    """On two GPUs, with NCCL's all-reduce and with ours (QWEN3_TP_ALLREDUCE=custom, whose kernel
+    the engine's abort word releases). ("fp32_eager": the tiny fp32 checkpoint, which the engine
+    runs in bf16 with the reference attention, eagerly.)"""
     import subprocess
     import sys
 
     path = request.getfixturevalue("ckpt")[0] if which == "fp32_eager" else request.getfixturevalue("bf16_ckpt")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.monotonic()
+    env = dict(os.environ, QWEN3_TP_ALLREDUCE=allreduce)
     out = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, path], cwd=root, timeout=150,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     print(out.stdout, out.stderr[-6000:])
     pids = [int(p) for p in out.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
     if which == "bf16_graphs":

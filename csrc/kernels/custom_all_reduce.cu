@@ -43,9 +43,15 @@
 //
 // Deadlock freedom: a CTA first writes all of its rows to every peer, then waits. The grid is at
 // most one CTA per SM, so every CTA of a rank can be resident; each one's writes never wait on
-// anything, hence every awaited packet is eventually written. A dead peer never writes: after
-// kSpinLimit polls of one packet the kernel traps, so the launch fails (the process sees an
-// error) instead of spinning on the GPU forever.
+// anything, hence every awaited packet is eventually written. A dead peer never writes:
+//   - abort_flag (pinned host memory, read over PCIe every kAbortEvery polls) is set by the host
+//     when it learns that a peer died (the engine's worker watch): the kernel then stops waiting
+//     and returns normally with meaningless sums, and so does every later call, so the stream
+//     (a CUDA graph's replay included) drains and the host can raise its error. A trap would
+//     instead poison the CUDA context, and torch's NCCL watchdog thread, seeing that error
+//     first, terminates the process (measured on two H200s, 2026-11-30).
+//   - after kSpinLimit polls of one packet without an abort the kernel traps: the launch fails
+//     (the process sees an error) instead of spinning on the GPU forever.
 //
 // Determinism: every rank adds the same dtype values in the same (rank) order in fp32 and rounds
 // the same way, so all ranks get bit-identical x and residual (TP ranks must agree). The sum is
@@ -69,6 +75,7 @@ namespace {
 constexpr int kMaxWorld = 8;
 constexpr int kMaxVecsPerThread = 4;            // 16-byte vectors (8 elements) per thread
 constexpr long long kSpinLimit = 1LL << 26;     // polls of one packet before a trap
+constexpr int kAbortEvery = 1 << 12;             // polls between two reads of abort_flag
 
 enum Variant { kAuto, kNoPdl, kNumVariants };
 constexpr const char* kVariantNames[kNumVariants] = {"auto", "nopdl"};
@@ -87,6 +94,12 @@ __device__ __forceinline__ void load_packets(const char* p, uint64_t& a, uint64_
 }
 __device__ __forceinline__ uint32_t load_u32_volatile(const uint32_t* p) {
   return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+// The host's abort word (mapped pinned memory): a system-scope load, never a cached copy.
+__device__ __forceinline__ int load_abort(const int32_t* p) {
+  int v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ uint64_t packet(uint32_t data, uint32_t flag) {
@@ -132,6 +145,7 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
                      const T* __restrict__ weight,       // [H] (kNorm)
                      const int64_t* __restrict__ peer_ptrs,  // [world]: each rank's receive buffer
                      uint32_t* counters,                 // [2]: call count, CTAs finished
+                     const int32_t* abort_flag,          // [1] host (mapped): != 0 = stop waiting
                      int64_t rows, int64_t hidden, int64_t slot_bytes, int world, int rank,
                      float eps) {
   if constexpr (kPdl) {
@@ -181,6 +195,9 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
   }
 
   // ---- 2. wait for every peer's rows, sum in rank order, then the residual add + norm ----------
+  // Once this thread has seen the abort word it waits for nothing more (its sums are then
+  // meaningless; the host is failing the step anyway).
+  bool aborted = false;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     float acc[kVecs][8];
     Vec8<T> res[kVecs], w[kVecs];
@@ -207,15 +224,18 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
             words[3] = v.w;
           } else {
             const char* src = mine + (half * world + r) * slot_bytes + row * row_bytes + idx * 32;
-            uint64_t a, b, c, d;
+            uint64_t a = 0, b = 0, c = 0, d = 0;
             long long polls = 0;
-            while (true) {
+            while (!aborted) {
               load_packets(src, a, b);
               load_packets(src + 16, c, d);
               if (static_cast<uint32_t>(a >> 32) == flag && static_cast<uint32_t>(b >> 32) == flag &&
                   static_cast<uint32_t>(c >> 32) == flag && static_cast<uint32_t>(d >> 32) == flag)
                 break;
-              if (++polls > kSpinLimit) __trap();  // a peer never wrote: fail, do not hang
+              if (++polls % kAbortEvery == 0) {
+                aborted = load_abort(abort_flag) != 0;      // the host says a peer is gone
+                if (polls > kSpinLimit && !aborted) __trap();  // nobody said so: fail, do not hang
+              }
             }
             words[0] = static_cast<uint32_t>(a);
             words[1] = static_cast<uint32_t>(b);
@@ -282,10 +302,11 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
 }  // namespace
 
 cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int64_t* peer_ptrs,
-                          uint32_t* counters, int64_t num_tokens, int64_t hidden,
-                          int64_t slot_bytes, int world, int rank, bool add_rms_norm, float eps,
-                          DType dtype, cudaStream_t stream) {
+                          uint32_t* counters, const int32_t* abort_flag, int64_t num_tokens,
+                          int64_t hidden, int64_t slot_bytes, int world, int rank,
+                          bool add_rms_norm, float eps, DType dtype, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
+  if (abort_flag == nullptr) return cudaErrorInvalidValue;
   const int64_t nvec = hidden / 8;
   if (world < 2 || world > kMaxWorld || rank < 0 || rank >= world || hidden <= 0 ||
       hidden % 8 != 0 || nvec > int64_t{kMaxVecsPerThread} * 1024 || slot_bytes % 32 != 0 ||
@@ -307,11 +328,11 @@ cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int
       constexpr bool N = decltype(knorm)::value;
       if (pdl) {
         return launch_ex(tp_all_reduce_kernel<T, N, V, true>, grid, dim3(threads), stream, true, 1,
-                         xi, res, wi, peer_ptrs, counters, num_tokens, hidden, slot_bytes, world,
+                         xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden, slot_bytes, world,
                          rank, eps);
       }
       tp_all_reduce_kernel<T, N, V, false><<<grid, threads, 0, stream>>>(
-          xi, res, wi, peer_ptrs, counters, num_tokens, hidden, slot_bytes, world, rank, eps);
+          xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden, slot_bytes, world, rank, eps);
       return cudaGetLastError();
     };
     auto by_vecs = [&](auto knorm) -> cudaError_t {

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen3_model.config import Config
-from qwen3_model.distributed import release_one_shot_all_reduce
+from qwen3_model.distributed import abort_custom_all_reduce, release_one_shot_all_reduce
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -682,7 +682,12 @@ def _abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
     The abort runs in a daemon thread (one at a time; a second caller joins the one in flight),
     waited for at most ``wait_s``: True when it finished, False when there was nothing to abort
     (no group, or a gloo group) or it is still running (then the group must not be destroyed
-    either: that would wait for the same collectives)."""
+    either: that would wait for the same collectives).
+
+    First, our own all-reduce (QWEN3_TP_ALLREDUCE=custom) stops waiting for the dead peer: a host
+    write that its spinning kernel reads, so a replay stuck on it drains; NCCL's abort cannot end
+    a kernel that is not NCCL's."""
+    abort_custom_all_reduce()
     with _ABORT_LOCK:
         thread = _ABORT_THREAD[0]
         if thread is None or not thread.is_alive():

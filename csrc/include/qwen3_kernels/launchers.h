@@ -113,6 +113,8 @@ cudaError_t tp_all_reduce(void* x,                   // [T, H] contiguous, 16-by
                           const void* weight,        // [H] (add_rms_norm; else unused)
                           const int64_t* peer_ptrs,  // [world] device: every rank's receive buffer
                           uint32_t* counters,        // [2] device, zeroed at setup: call count, CTAs done
+                          const int32_t* abort_flag, // [1] mapped pinned host memory (device
+                                                     // address): != 0 = a peer is gone, stop waiting
                           int64_t num_tokens, int64_t hidden,
                           int64_t slot_bytes,        // bytes of one (half, rank) slot of a buffer
                           int world, int rank, bool add_rms_norm, float eps, DType dtype,

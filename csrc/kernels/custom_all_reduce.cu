@@ -44,9 +44,10 @@
 // Deadlock freedom: a CTA first writes all of its rows to every peer, then waits. The grid is at
 // most one CTA per SM, so every CTA of a rank can be resident; each one's writes never wait on
 // anything, hence every awaited packet is eventually written. A dead peer never writes:
-//   - abort_flag (pinned host memory, read over PCIe every kAbortEvery polls) is set by the host
-//     when it learns that a peer died (the engine's worker watch): the kernel then stops waiting
-//     and returns normally with meaningless sums, and so does every later call, so the stream
+//   - abort_flag (pinned host memory, read over PCIe every kAbortEvery polls, so never on the
+//     fast path) is set by the host when it learns that a peer died (the engine's worker watch):
+//     the kernel then stops waiting and returns normally with meaningless sums, and so does every
+//     later call after its first kAbortEvery polls (~ms), so the stream
 //     (a CUDA graph's replay included) drains and the host can raise its error. A trap would
 //     instead poison the CUDA context, and torch's NCCL watchdog thread, seeing that error
 //     first, terminates the process (measured on two H200s, 2026-11-30).
@@ -328,11 +329,12 @@ cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int
       constexpr bool N = decltype(knorm)::value;
       if (pdl) {
         return launch_ex(tp_all_reduce_kernel<T, N, V, true>, grid, dim3(threads), stream, true, 1,
-                         xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden, slot_bytes, world,
-                         rank, eps);
+                         xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden,
+                         slot_bytes, world, rank, eps);
       }
       tp_all_reduce_kernel<T, N, V, false><<<grid, threads, 0, stream>>>(
-          xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden, slot_bytes, world, rank, eps);
+          xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden, slot_bytes, world,
+          rank, eps);
       return cudaGetLastError();
     };
     auto by_vecs = [&](auto knorm) -> cudaError_t {

@@ -175,12 +175,46 @@ def test_keyboard_interrupt_on_rank0_stops_the_workers(ckpt, one_thread):
     llm.close()
 
 
+def native_stacks_later(seconds: float) -> None:
+    """After ``seconds``, print this process's native stacks (py-spy --native, else gdb) if it is
+    still running: faulthandler shows Python frames only, and a hang in a collective sits in NCCL
+    or CUDA calls. For the GPU kill test's child process; prints nothing where no tool exists."""
+    import ctypes
+    import shutil
+    import subprocess
+    import threading
+
+    try:  # PR_SET_PTRACER, PR_SET_PTRACER_ANY: let the tool (our child) attach under Yama
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+    def dump():
+        time.sleep(seconds)
+        pid = str(os.getpid())
+        for cmd in (["py-spy", "dump", "--native", "--pid", pid],
+                    ["gdb", "-p", pid, "-batch", "-ex", "thread apply all bt 30"]):
+            if shutil.which(cmd[0]):
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+                    print("NATIVE STACKS", " ".join(cmd), "\n", out.stdout[-30000:],
+                          out.stderr[-3000:], flush=True)
+                except subprocess.TimeoutExpired:
+                    print("NATIVE STACKS: timed out", cmd[0], flush=True)
+                return
+        print("NATIVE STACKS: neither py-spy nor gdb here", flush=True)
+
+    threading.Thread(target=dump, daemon=True, name="native-stacks").start()
+
+
 # The same kill on two GPUs (NCCL), in a child process: a hang there must fail this test after
 # its timeout, not take the pytest process down with it. A hung child prints every thread's stack
 # (faulthandler) before it is ended, so the failure shows where it hung.
 _KILL_SCRIPT = """
 import faulthandler, os, signal, sys
-faulthandler.dump_traceback_later(90, exit=True)
+from tests.test_engine_tp import native_stacks_later
+native_stacks_later(50)
+faulthandler.dump_traceback_later(75, exit=True)
 from qwen3_model import LLM, SamplingParams
 from tests.test_engine_tp import PROMPTS, LONG
 if __name__ == "__main__":

@@ -211,21 +211,24 @@ def native_stacks_later(seconds: float) -> None:
 # its timeout, not take the pytest process down with it. A hung child prints every thread's stack
 # (faulthandler) before it is ended, so the failure shows where it hung.
 _KILL_SCRIPT = """
-import faulthandler, os, signal, sys
+import faulthandler, json, os, signal, sys
 from tests.test_engine_tp import native_stacks_later
 native_stacks_later(50)
 faulthandler.dump_traceback_later(75, exit=True)
 from qwen3_model import LLM, SamplingParams
 from tests.test_engine_tp import PROMPTS, LONG
 if __name__ == "__main__":
+    # argv: checkpoint [, JSON of LLM arguments to override [, the streamed item to kill at]]
+    kwargs = dict(gpu_memory_utilization=0.3, **json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}"))
+    kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_num_seqs=4,
-              max_num_batched_tokens=24, device="cuda", gpu_memory_utilization=0.3)
+              max_num_batched_tokens=24, device="cuda", **kwargs)
     pids = [proc.pid for proc, _ in llm._workers]
     print("PIDS", *pids, flush=True)
     print("GRAPHS", len(llm.model_runner.graphs), flush=True)
     try:
         for i, _ in enumerate(llm.stream(PROMPTS, LONG)):
-            if i == 2:
+            if i == kill_at:
                 os.kill(pids[0], signal.SIGKILL)
                 print("KILLED", flush=True)
     except RuntimeError as e:

@@ -16,7 +16,8 @@ decode graph and are not in these numbers.
 
 A variant is '+'-joined knob=value settings: gemv=<QWEN3_GEMV_VARIANT name>, silu=<...>,
 norm=<...> (qwen3_kernels.elementwise_tuning), fuse=0|1 (linear.FUSE_GATE_UP_SILU: the gate_up
-GEMV with silu_and_mul fused), gemv_max=<tokens> (linear.GEMV_MAX_TOKENS); "default" is none.
+GEMV with silu_and_mul fused), gemv_max=<tokens> (linear.GEMV_MAX_TOKENS), splits=<n>
+(paged_attention_decode's split count, decode_tuning; 0 = its automatic choice); "default" is none.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def apply(variant: str) -> dict:
         elif knob == "gemv_max":
             undo[knob] = linear.GEMV_MAX_TOKENS
             linear.GEMV_MAX_TOKENS = int(value)
+        elif knob == "splits":
+            from qwen3_kernels import decode_tuning as dt
+
+            undo[knob] = dt.get()
+            dt.set_tuning(int(value), undo[knob][1], undo[knob][2])
         else:
             raise ValueError(f"unknown knob {knob!r} in variant {variant!r}")
     return undo
@@ -68,6 +74,10 @@ def restore(undo: dict) -> None:
             et.select(knob, value)
         elif knob == "fuse":
             linear.FUSE_GATE_UP_SILU = value
+        elif knob == "splits":
+            from qwen3_kernels import decode_tuning as dt
+
+            dt.set_tuning(*value)
         else:
             linear.GEMV_MAX_TOKENS = value
 

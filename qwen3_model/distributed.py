@@ -6,7 +6,9 @@ helper is the identity: rank 0 of world size 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,41 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+# ---- the engine's eager collectives vs an abort from another thread -------------------------------
+# Rank 0 aborts NCCL from a watch thread the moment a worker dies (llm_engine._NcclWatch). torch's
+# abort holds the communicator's lock through ncclCommAbort, and on two H200s that abort did not
+# finish while a CUDA graph with a captured NCCL collective was still alive (it finishes once the
+# engine drops its graphs). A collective that rank 0's main thread calls meanwhile waits for the
+# same lock, so the engine never gets to drop its graphs: the kill test hung in dist.broadcast with
+# the abort thread in _abort_process_group (1 of 4 NCCL kills, 2026-11-30). So every collective the
+# engine issues eagerly passes this gate, and the abort closes it first: closing waits for a call in
+# flight (a launch: microseconds), and from then on a collective raises at once instead of
+# entering NCCL. (The graphs' own collectives need no gate: a replay does not enter NCCL's host code.)
+_GATE = threading.Lock()
+_GATE_CLOSED = [False]
+
+
+@contextlib.contextmanager
+def _collective():
+    with _GATE:
+        if _GATE_CLOSED[0]:
+            raise RuntimeError("tensor-parallel communication was aborted: a rank died")
+        yield
+
+
+def close_collectives(timeout_s: float = 5.0) -> None:
+    """Before an abort: wait (bounded) for an eager collective in flight, then refuse new ones."""
+    locked = _GATE.acquire(timeout=timeout_s)
+    _GATE_CLOSED[0] = True
+    if locked:
+        _GATE.release()
+
+
+def open_collectives() -> None:
+    """A new process group: collectives may run again."""
+    _GATE_CLOSED[0] = False
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the ranks, in place; returns x. Identity at world size 1."""
     if get_tp_world_size() > 1:
@@ -41,7 +78,8 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             return _CUSTOM(x)
         if _ONE_SHOT is not None and _ONE_SHOT.fits(x):
             return _ONE_SHOT(x)
-        dist.all_reduce(x)
+        with _collective():
+            dist.all_reduce(x)
     return x
 
 
@@ -256,5 +294,13 @@ def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     x = x.contiguous()
     rank = get_tp_rank()
     parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
-    dist.gather(x, parts, dst=0)
+    with _collective():
+        dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=dim) if rank == 0 else None
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """x (rank 0's values) on every rank, in place; returns x."""
+    with _collective():
+        dist.broadcast(x, src=0)
+    return x

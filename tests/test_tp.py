@@ -224,3 +224,43 @@ def test_row_parallel_without_reduce_adds_the_bias_once():
     b.load_state_dict(a.state_dict())
     x = torch.randn(3, 16)
     assert torch.equal(a(x), b(x))
+
+
+def test_closed_gate_refuses_collectives_after_the_call_in_flight():
+    """The abort closes the gate of the engine's eager collectives (qwen3_model.distributed):
+    closing waits for a call in flight, later calls raise instead of entering NCCL, and a new
+    process group opens it again. A world-size-1 gloo group stands in for NCCL."""
+    import threading
+    import time
+
+    from qwen3_model import distributed as d
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        x = torch.arange(4.0)
+        assert d.broadcast_from_rank0(x) is x
+        inside, leave = threading.Event(), threading.Event()
+
+        def in_flight():
+            with d._collective():
+                inside.set()
+                leave.wait(5)
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        inside.wait(5)
+        threading.Timer(0.3, leave.set).start()
+        t0 = time.monotonic()
+        d.close_collectives()
+        assert time.monotonic() - t0 >= 0.25, "closing did not wait for the call in flight"
+        t.join()
+        with pytest.raises(RuntimeError, match="aborted: a rank died"):
+            d.broadcast_from_rank0(x)
+        d.open_collectives()
+        assert d.broadcast_from_rank0(x) is x
+    finally:
+        d.open_collectives()
+        dist.destroy_process_group()

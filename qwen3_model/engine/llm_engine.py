@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen3_model.config import Config
-from qwen3_model.distributed import abort_custom_all_reduce, release_one_shot_all_reduce
+from qwen3_model.distributed import (abort_custom_all_reduce, close_collectives, open_collectives,
+                                     release_one_shot_all_reduce)
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -128,7 +129,9 @@ class LLMEngine:
         dead = _dead_worker(self._workers)
         if dead is None:
             return
-        _abort_nccl()  # (the watch thread has normally done it already)
+        # the graphs first: NCCL's abort waits for the graphs that hold its collectives to go
+        self.model_runner.graphs.clear()
+        _abort_nccl()  # (the watch thread has normally started it already)
         raise RuntimeError(f"LLM: {dead}")
 
     def _fail_tp(self, error: BaseException) -> None:
@@ -485,6 +488,7 @@ def _init_tp_group(config: Config, rank: int, world: int, port: int) -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=_TP_TIMEOUT)
+    open_collectives()  # (closed by an earlier engine's abort in this process)
 
 
 def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn) -> None:
@@ -671,7 +675,8 @@ _ABORT_LOCK = threading.Lock()
 _ABORT_THREAD: list = [None]  # the abort in flight (or done), shared by the watch and the main thread
 # How long a failing engine waits for NCCL's abort before it raises anyway. On two H200s with CUDA
 # graphs (torch 2.11, NCCL P2P/CUMEM), the abort of a communicator whose captured all-reduce waits
-# for a killed peer did not return within 90 s (2026-11-30); the engine must not hang on it.
+# for a killed peer does not return while those graphs are alive (2026-11-30); the engine drops its
+# graphs before it waits (_check_workers, _stop_workers), and must not hang on it either way.
 _ABORT_WAIT_S = 10.0
 
 
@@ -697,6 +702,7 @@ def _abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
 
             def run():
                 try:
+                    close_collectives()  # see qwen3_model.distributed: no eager call meets the abort
                     abort()
                 except Exception:  # noqa: BLE001 - the caller raises the error that names the dead worker
                     pass

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import qwen3_kernels
 from qwen3_model.config import Config
-from qwen3_model.distributed import init_one_shot_all_reduce
+from qwen3_model.distributed import broadcast_from_rank0, init_one_shot_all_reduce
 from qwen3_model.engine.scheduler import ScheduledBatch
 from qwen3_model.engine.sequence import Sequence
 from qwen3_model.layers.sampler import Sampler, SamplingBatch
@@ -647,7 +647,7 @@ class ModelRunner:
         if n == 0:
             return
         tokens = torch.empty(n, dtype=torch.int64, device=self.device)
-        dist.broadcast(tokens, src=0)
+        broadcast_from_rank0(tokens)
         self._last_sampled = tokens
 
     @torch.inference_mode()
@@ -677,7 +677,7 @@ class ModelRunner:
         tokens = self.sampler(logits, sampling)  # [N] int64, on the device
         self._last_sampled = tokens  # the next step may take them as inputs before they are read
         if self.worker_conns:  # ... on every rank: the other ranks get them from here
-            dist.broadcast(tokens, src=0)
+            broadcast_from_rank0(tokens)
         if not self.use_cuda:
             return PendingTokens(tokens, tokens, None, sample_seqs)
         # an asynchronous copy into pinned memory: the host waits on its event, not the stream

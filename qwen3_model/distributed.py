@@ -141,28 +141,28 @@ class _OneShotAllReduce:
         return x
 
 
-# ---- opt-in: our one-shot all-reduce fused with the residual add + RMSNorm (custom) ----------
+# ---- the default: our one-shot all-reduce fused with the residual add + RMSNorm (custom) -----
 #
-# QWEN3_TP_ALLREDUCE=custom: qwen3_kernels.tp_all_reduce(_add_rms_norm) (csrc/kernels/
-# custom_all_reduce.cu): each rank stores its rows with a per-call flag straight into every
-# peer's receive buffer (torch symmetric memory: CUDA IPC peer mappings, no multicast), polls its
-# own buffer until every peer's flag arrived, sums in rank order and, after a row-parallel layer,
-# does the residual add + RMSNorm in the same kernel. One kernel instead of NCCL's all-reduce plus
-# the norm. Tensors of up to QWEN3_TP_CUSTOM_MAX_ROWS rows (default CUSTOM_MAX_ROWS) take it,
-# larger ones stay on NCCL. A peer that never writes (dead) is waited for until the engine sets
-# the abort word (abort_custom_all_reduce, from its worker watch): the kernel then returns; with
-# nobody setting it the kernel traps after ~2^26 polls, so the launch fails instead of hanging.
-# Measured on two H200s (RESULTS.md, 2026-11-30, third session): 4.1 us per [1, 4096] bf16 all-reduce with
-# the norm inside a CUDA graph (NCCL 12.9 us, and the norm is another kernel); Qwen3-8B TP-2
-# batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1 on 7/8 prompts,
-# as with NCCL. Why it is not the default yet: when a worker was killed, the trap's CUDA error
-# reached torch's NCCL watchdog thread first, which terminated rank 0 (SIGABRT) before the engine
-# could raise its error (tests/test_engine_tp.py, two GPUs, both variants, 2026-11-30, third
-# session). The abort word above is the answer, not yet run on a GPU.
+# qwen3_kernels.tp_all_reduce(_add_rms_norm) (csrc/kernels/custom_all_reduce.cu): each rank
+# stores its rows with a per-call flag straight into every peer's receive buffer (torch symmetric
+# memory: CUDA IPC peer mappings, no multicast), polls its own buffer until every peer's flag
+# arrived, sums in rank order and, after a row-parallel layer, does the residual add + RMSNorm in
+# the same kernel. One kernel instead of NCCL's all-reduce plus the norm. Tensors of up to
+# QWEN3_TP_CUSTOM_MAX_ROWS rows (default CUSTOM_MAX_ROWS) take it, larger ones stay on NCCL. A
+# peer that never writes (dead) is waited for until the engine sets the abort word
+# (abort_custom_all_reduce, from its worker watch): the kernel then returns; with nobody setting
+# it the kernel traps after ~2^26 polls, so the launch fails instead of hanging.
+# Measured on two H200s (RESULTS.md, 2026-11-30, third session): 4.1 us per [1, 4096] bf16
+# all-reduce with the norm inside a CUDA graph (NCCL 12.9 us, and the norm is another kernel);
+# Qwen3-8B TP-2 batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1
+# on 7/8 prompts, as with NCCL. So QWEN3_TP_ALLREDUCE unset ("auto") takes it wherever it runs
+# (CUDA, bf16 / fp16, 2..8 ranks, hidden % 8 == 0, the extension built) and NCCL elsewhere;
+# "nccl" keeps NCCL. (This commit is to be merged only once the kill test passes with it:
+# tests/test_engine_tp.py -k two_gpus.)
 
 CUSTOM_MAX_ROWS = 512
 _CUSTOM: "_CustomAllReduce | None" = None
-ALLREDUCE_CHOICES = ("nccl", "symm_mem", "custom")
+ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem", "custom")
 
 
 def custom_max_rows() -> int:
@@ -243,23 +243,33 @@ class _CustomAllReduce:
 
 
 def allreduce_choice() -> str:
-    """QWEN3_TP_ALLREDUCE: 'nccl' (unset: the default), 'symm_mem' or 'custom'; else an error."""
-    choice = os.environ.get("QWEN3_TP_ALLREDUCE", "nccl")
+    """QWEN3_TP_ALLREDUCE: 'auto' (unset: 'custom' where it runs, else NCCL), 'nccl', 'symm_mem'
+    or 'custom'; anything else is an error."""
+    choice = os.environ.get("QWEN3_TP_ALLREDUCE", "auto")
     if choice not in ALLREDUCE_CHOICES:
         raise ValueError(f"QWEN3_TP_ALLREDUCE must be one of {ALLREDUCE_CHOICES}, got {choice!r}")
     return choice
 
 
 def init_one_shot_all_reduce(hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Every rank, after the process group and before graph capture: set up the opt-in all-reduce
-    that QWEN3_TP_ALLREDUCE names ('symm_mem': torch's one-shot; 'custom': ours, fused with the
-    norm); a collective: all ranks must call it. Returns whether one is on. Any other value of
-    QWEN3_TP_ALLREDUCE but unset / "nccl" is an error."""
+    """Every rank, after the process group and before graph capture: set up the all-reduce that
+    QWEN3_TP_ALLREDUCE names ('custom': ours, fused with the norm, also what 'auto' / unset picks
+    where it runs; 'symm_mem': torch's one-shot); a collective: all ranks must call it (and all
+    decide alike: the same dtype, sizes and build). Returns whether one is on (False: NCCL)."""
     global _ONE_SHOT, _CUSTOM
     choice = allreduce_choice()
     _ONE_SHOT = _CUSTOM = None
-    if choice == "nccl" or get_tp_world_size() == 1:
+    world = get_tp_world_size()
+    if choice == "nccl" or world == 1:
         return False
+    if choice == "auto":
+        import qwen3_kernels
+
+        runs = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+                and hidden_size % 8 == 0 and 2 <= world <= 8 and qwen3_kernels.has_cuda_kernels())
+        if not runs:
+            return False
+        choice = "custom"
     if device.type != "cuda":
         raise ValueError(f"QWEN3_TP_ALLREDUCE={choice} needs CUDA devices")
     if choice == "custom":

@@ -170,20 +170,29 @@ def test_weight_loaders_split_like_vllm(monkeypatch, tp):
 
 
 def test_tp_allreduce_choice_is_checked(monkeypatch):
-    """QWEN3_TP_ALLREDUCE: 'nccl' (default) or the opt-in 'symm_mem' / 'custom'; anything else is
-    a clear error; at world size 1 there is nothing to set up."""
+    """QWEN3_TP_ALLREDUCE: 'auto' (default: ours where it runs, else NCCL), 'nccl', 'symm_mem' or
+    'custom'; anything else is a clear error; at world size 1 there is nothing to set up."""
     from qwen3_model import distributed as d
 
     monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match=r"QWEN3_TP_ALLREDUCE must be one of \('nccl', 'symm_mem', "
-                                         r"'custom'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"QWEN3_TP_ALLREDUCE must be one of \('auto', 'nccl', "
+                                         r"'symm_mem', 'custom'\), got 'fast'"):
         d.init_one_shot_all_reduce(64, torch.float32, torch.device("cpu"))
-    for choice in ("symm_mem", "custom", "nccl"):
+    for choice in ("symm_mem", "custom", "nccl", "auto"):
         monkeypatch.setenv("QWEN3_TP_ALLREDUCE", choice)
         assert d.init_one_shot_all_reduce(64, torch.float32, torch.device("cpu")) is False
         assert d._CUSTOM is None and d._ONE_SHOT is None
     monkeypatch.delenv("QWEN3_TP_ALLREDUCE")
-    assert d.allreduce_choice() == "nccl"
+    assert d.allreduce_choice() == "auto"
+
+    # with 2 ranks: auto falls back to NCCL where ours cannot run (CPU, fp32); naming one is an error
+    monkeypatch.setattr(d, "get_tp_world_size", lambda: 2)
+    for device, dtype in (("cpu", torch.bfloat16), ("cpu", torch.float32)):
+        assert d.init_one_shot_all_reduce(64, dtype, torch.device(device)) is False
+        assert d._CUSTOM is None and d._ONE_SHOT is None
+    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "custom")
+    with pytest.raises(ValueError, match="QWEN3_TP_ALLREDUCE=custom needs CUDA devices"):
+        d.init_one_shot_all_reduce(64, torch.bfloat16, torch.device("cpu"))
 
 
 def test_custom_allreduce_max_rows_env(monkeypatch):

@@ -88,7 +88,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     """x [T, H]: this rank's partial sum (a row-parallel layer's unreduced output); residual
     [T, H]; weight [H]. In place: residual += sum of x over the ranks; x = rms_norm(residual) *
     weight; returns (x, residual). One kernel where the custom all-reduce is on and x fits
-    (QWEN3_TP_ALLREDUCE=custom, decode sizes), else all_reduce + fused_add_rms_norm."""
+    (ours, the default where it runs: decode sizes), else all_reduce + fused_add_rms_norm."""
     import qwen3_kernels
 
     if get_tp_world_size() > 1 and _CUSTOM is not None and _CUSTOM.fits(x) and _CUSTOM.fits(residual):
@@ -155,10 +155,10 @@ class _OneShotAllReduce:
 # Measured on two H200s (RESULTS.md, 2026-11-30, third session): 4.1 us per [1, 4096] bf16
 # all-reduce with the norm inside a CUDA graph (NCCL 12.9 us, and the norm is another kernel);
 # Qwen3-8B TP-2 batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1
-# on 7/8 prompts, as with NCCL. So QWEN3_TP_ALLREDUCE unset ("auto") takes it wherever it runs
-# (CUDA, bf16 / fp16, 2..8 ranks, hidden % 8 == 0, the extension built) and NCCL elsewhere;
-# "nccl" keeps NCCL. (This commit is to be merged only once the kill test passes with it:
-# tests/test_engine_tp.py -k two_gpus.)
+# on 7/8 prompts, as with NCCL. With the abort word, a killed worker makes the engine raise
+# (tests/test_engine_tp.py -k two_gpus and scripts/tp_kill_stress.py: 6 of 6 kills, 2026-11-30,
+# fourth session). So QWEN3_TP_ALLREDUCE unset ("auto") takes it wherever it runs (CUDA, bf16 /
+# fp16, 2..8 ranks, hidden % 8 == 0, the extension built) and NCCL elsewhere; "nccl" keeps NCCL.
 
 CUSTOM_MAX_ROWS = 512
 _CUSTOM: "_CustomAllReduce | None" = None

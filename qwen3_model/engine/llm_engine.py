@@ -689,7 +689,7 @@ def _abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
     (no group, or a gloo group) or it is still running (then the group must not be destroyed
     either: that would wait for the same collectives).
 
-    First, our own all-reduce (QWEN3_TP_ALLREDUCE=custom) stops waiting for the dead peer: a host
+    First, our own all-reduce (the TP default) stops waiting for the dead peer: a host
     write that its spinning kernel reads, so a replay stuck on it drains; NCCL's abort cannot end
     a kernel that is not NCCL's."""
     abort_custom_all_reduce()

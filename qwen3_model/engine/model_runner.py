@@ -187,7 +187,7 @@ class ModelRunner:
 
             load_model(self.model, config.model)
         self.model.eval()
-        # QWEN3_TP_ALLREDUCE=custom | symm_mem (opt-in); a collective: every rank
+        # QWEN3_TP_ALLREDUCE: ours unless 'nccl' (or symm_mem); a collective: every rank
         if self.world_size > 1:
             init_one_shot_all_reduce(hf.hidden_size, config.torch_dtype, self.device)
         self.sampler = Sampler()

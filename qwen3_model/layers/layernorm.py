@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         The residual form works in place: x and residual are overwritten and returned. With
         ``all_reduce_x`` (residual form only), x is this rank's partial sum from a row-parallel
         layer built with reduce_results=False: it is summed over the tensor-parallel ranks first,
-        in the same kernel as the add + norm where QWEN3_TP_ALLREDUCE=custom is on.
+        in the same kernel as the add + norm where our all-reduce is on (the TP default).
         """
         if residual is None:
             return qwen3_kernels.rms_norm(x, self.weight, self.eps)

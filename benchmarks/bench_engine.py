@@ -7,6 +7,7 @@
     python bench_engine.py --size 8B --batch1                # 128-token prompt, 512 new tokens
     python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
     python bench_engine.py --size 0.6B --profile --num-seqs 256   # one decode step, kernel by kernel
+    python bench_engine.py --size 8B --profile --profile-overlap --num-seqs 1 --tp 2  # in generate's loop
 
 The workload (TARGETS.md, as nano-vllm's bench.py): 256 requests, seed 0, prompt lengths uniform
 in [100, 1024] of random token ids in [0, 10000], max_tokens uniform in [100, 1024], ignore_eos,
@@ -117,10 +118,15 @@ def run_ours_batch1(llm: LLM, prompt, new_tokens: int) -> tuple[float, float]:
     return decode, n / (end - start)
 
 
-def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int = 14) -> dict:
+def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int = 14,
+                overlap: bool = False) -> dict:
     """Profile decode steps of ``num_seqs`` running sequences at ~``context`` tokens: host wall
     time per step, GPU kernel time per step (kernel by kernel), the gap between them, and the
-    step's roofline (weights + KV cache read once at the H200's read ceiling)."""
+    step's roofline (weights + KV cache read once at the H200's read ceiling).
+
+    ``overlap``: the steps of generate's loop (the host prepares step k + 1 while the GPU runs
+    step k, as in every benchmark above) instead of ``step()`` one by one, so the gap is the GPU's
+    idle time per step in the real loop (with tensor parallelism: on rank 0)."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = llm.config.hf_config.vocab_size
@@ -137,7 +143,16 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     walls = []
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+        if overlap:
+            loop = llm._steps()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                _, _, n_pre, n_dec = next(loop)
+                assert n_pre == 0 and n_dec == num_seqs, "the profiled steps must be pure decode"
+            loop.close()  # reads the step in flight
+            sync()
+            walls = [(time.perf_counter() - t0) / steps] * steps
+        for _ in range(0 if overlap else steps):
             t0 = time.perf_counter()
             _, n_pre, n_dec = llm.step()
             walls.append(time.perf_counter() - t0)
@@ -163,7 +178,7 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     w_bytes = weight_bytes_per_token(model)
     ideal_us = (w_bytes + kv_bytes) / (H200_READ_TBS * 1e6)
     print(f"\ndecode step profile: {num_seqs} sequences at ~{context} tokens, {steps} steps "
-          f"({replayed} from CUDA graphs)")
+          f"({replayed} from CUDA graphs; {'overlapped loop' if overlap else 'step() by step()'})")
     print(f"  host wall {wall_us:,.0f} us/step; GPU kernels {gpu_us:,.0f} us/step "
           f"({gpu_us / wall_us:.0%} busy, gap {wall_us - gpu_us:,.0f} us)")
     print(f"  roofline: weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at "
@@ -265,6 +280,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="profile decode steps of --num-seqs sequences at --profile-context tokens")
     p.add_argument("--profile-context", type=int, default=512)
+    p.add_argument("--profile-overlap", action="store_true",
+                   help="profile the steps of the overlapped generate loop instead of step()")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
@@ -293,7 +310,8 @@ def main(argv=None):
 
         if args.profile:
             llm = make_llm(path, args, dummy)
-            result.update(run_profile(llm, args.num_seqs, args.profile_context))
+            result.update(run_profile(llm, args.num_seqs, args.profile_context,
+                                      overlap=args.profile_overlap))
             llm.close()
         elif args.batch1:
             llm = make_llm(path, args, dummy)

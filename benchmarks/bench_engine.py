@@ -151,7 +151,9 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
                 assert n_pre == 0 and n_dec == num_seqs, "the profiled steps must be pure decode"
             loop.close()  # reads the step in flight
             sync()
-            walls = [(time.perf_counter() - t0) / steps] * steps
+            # the loop launched one step more than it yielded (each launch runs ahead of the read),
+            # and the profile holds its kernels too: per-step figures divide by steps + 1
+            walls = [(time.perf_counter() - t0) / (steps + 1)] * (steps + 1)
         for _ in range(0 if overlap else steps):
             t0 = time.perf_counter()
             _, n_pre, n_dec = llm.step()
@@ -166,11 +168,12 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0
                    and getattr(e, "device_type", None) == DeviceType.CUDA),
                   key=lambda e: -e.self_device_time_total)
-    gpu_us = sum(e.self_device_time_total for e in rows) / steps
+    n_steps = len(walls)  # steps whose kernels the profile holds
+    gpu_us = sum(e.self_device_time_total for e in rows) / n_steps
     if gpu_us == 0:
         print("no CUDA kernel time recorded (no GPU, or the profiler saw no kernels)")
         return dict(mode="profile", num_seqs=num_seqs, context=context)
-    wall_us = 1e6 * sum(walls) / steps
+    wall_us = 1e6 * sum(walls) / n_steps
     model = runner.model
     cfg = llm.config.hf_config
     kv_heads = max(1, cfg.num_key_value_heads // llm.config.tensor_parallel_size)
@@ -187,8 +190,8 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     print(f"  | kernel | calls/step | us/step | share |\n  |---|---|---|---|")
     for e in rows[:top]:
         name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
-        us = e.self_device_time_total / steps
-        print(f"  | `{name}` | {e.count / steps:.0f} | {us:,.1f} | {us / gpu_us:.1%} |")
+        us = e.self_device_time_total / n_steps
+        print(f"  | `{name}` | {e.count / n_steps:.0f} | {us:,.1f} | {us / gpu_us:.1%} |")
     return dict(mode="profile", num_seqs=num_seqs, context=context, wall_us=wall_us,
                 gpu_us=gpu_us, ideal_us=ideal_us, graph_steps=replayed)
 

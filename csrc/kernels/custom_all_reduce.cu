@@ -111,20 +111,6 @@ __device__ __forceinline__ uint64_t packet(uint32_t data, uint32_t flag) {
 // alternates: 0xFFFFFFFE is even, 1 is odd).
 __device__ __forceinline__ uint32_t next_call(uint32_t c) { return c == 0xFFFFFFFEu ? 1u : c + 1u; }
 
-// Sum over the block, every thread gets it; safe to call again right after (trailing barrier).
-__device__ __forceinline__ float block_sum_reusable(float v) {
-  __shared__ float partial[32];
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  const int nwarps = blockDim.x / 32;
-  v = lane < nwarps ? partial[lane] : 0.0f;
-  v = warp_sum(v);
-  __syncthreads();  // every warp has read partial[] before a later call overwrites it
-  return v;
-}
-
 template <typename T>
 __device__ __forceinline__ void add_words(float (&acc)[8], const uint32_t (&w)[4], bool first) {
 #pragma unroll
@@ -273,7 +259,7 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
       }
     }
     if constexpr (kNorm) {
-      const float inv_rms = rsqrtf(block_sum_reusable(sumsq) / static_cast<float>(hidden) + eps);
+      const float inv_rms = rsqrtf(block_sum(sumsq) / static_cast<float>(hidden) + eps);
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         const int idx = threadIdx.x + j * blockDim.x;

@@ -43,19 +43,6 @@ VariantKnob<kNumVariants>& knob() {
   return k;
 }
 
-// Sum over the block; every thread gets the result. blockDim.x is a multiple of 32.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float partial[32];
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  const int nwarps = blockDim.x / 32;
-  v = lane < nwarps ? partial[lane] : 0.0f;
-  v = warp_sum(v);
-  return v;
-}
-
 // kAdd: fused_add_rms_norm (residual += x, x = norm(residual)); else out = norm(x).
 // kEarlyWeight: load the weight with the row (small T: saves a dependent memory round trip after
 // the block sum); off for large T, where the weight sits in L1/L2 and the registers are better

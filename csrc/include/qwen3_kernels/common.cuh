@@ -56,6 +56,22 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sum over the block (blockDim.x a multiple of 32); every thread gets the result. Safe to call
+// again right after: the trailing barrier keeps a later call from overwriting the partials before
+// every warp has read them.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int nwarps = blockDim.x / 32;
+  v = lane < nwarps ? partial[lane] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();
+  return v;
+}
+
 // Host side: call a kernel template with T = __half or __nv_bfloat16.
 #define QWEN3_DISPATCH_HALF(dtype, T, ...)                  \
   [&]() -> cudaError_t {                                   \

@@ -16,8 +16,10 @@ decode graph and are not in these numbers.
 
 A variant is '+'-joined knob=value settings: gemv=<QWEN3_GEMV_VARIANT name>, silu=<...>,
 norm=<...> (qwen3_kernels.elementwise_tuning), fuse=0|1 (linear.FUSE_GATE_UP_SILU: the gate_up
-GEMV with silu_and_mul fused), gemv_max=<tokens> (linear.GEMV_MAX_TOKENS), splits=<n>
-(paged_attention_decode's split count, decode_tuning; 0 = its automatic choice); "default" is none.
+GEMV with silu_and_mul fused), gemv_max=<tokens> (linear.GEMV_MAX_TOKENS), and
+paged_attention_decode's tuning (decode_tuning): splits=<n> (0 = its automatic choice),
+dvariant=<name> (w4s3, w8s3, ...; auto = by batch), dflags=<bits> (INTERLEAVE 1, FAST_COMBINE 2,
+PDL 4; a variant other than auto runs with exactly these); "default" is none.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ def apply(variant: str) -> dict:
         elif knob == "gemv_max":
             undo[knob] = linear.GEMV_MAX_TOKENS
             linear.GEMV_MAX_TOKENS = int(value)
-        elif knob == "splits":
+        elif knob in ("splits", "dvariant", "dflags"):
             from qwen3_kernels import decode_tuning as dt
 
-            undo[knob] = dt.get()
-            dt.set_tuning(int(value), undo[knob][1], undo[knob][2])
+            now = dt.get()
+            undo.setdefault("decode", now)
+            splits, variant, flags = now
+            if knob == "splits":
+                splits = int(value)
+            elif knob == "dvariant":
+                variant = value
+            else:
+                flags = int(value)
+            dt.set_tuning(splits, variant, flags)
         else:
             raise ValueError(f"unknown knob {knob!r} in variant {variant!r}")
     return undo
@@ -74,7 +84,7 @@ def restore(undo: dict) -> None:
             et.select(knob, value)
         elif knob == "fuse":
             linear.FUSE_GATE_UP_SILU = value
-        elif knob == "splits":
+        elif knob == "decode":
             from qwen3_kernels import decode_tuning as dt
 
             dt.set_tuning(*value)

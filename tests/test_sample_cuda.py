@@ -57,6 +57,24 @@ def test_matches_reference(n, vocab, dtype):
     check(logits, temps, keys_for(n, seed=n + vocab))
 
 
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 0.6, 50.0, 2e4])
+@pytest.mark.parametrize("scale", [0.01, 100.0])
+def test_extreme_temperatures_and_logits(temperature, scale):
+    # the kernel skips tokens whose cheap bound is below the running best: the bound's margin must
+    # hold for tiny and huge x / T, and the skip is off outside T in [1e-4, 1e4]
+    logits = torch.randn(8, 151936, device="cuda") * scale
+    logits[3, 7] = float("inf")
+    logits[4, 1000:] = float("nan")
+    temps = torch.full((8,), temperature, device="cuda")
+    out = torch.full((8,), -7, dtype=torch.int64, device="cuda")
+    keys = keys_for(8, seed=int(temperature * 1000) + int(scale))
+    qwen3_kernels.sample_tokens(logits, temps, keys, out=out)
+    assert out[3].item() == 7  # +inf beats every finite score
+    assert 0 <= out[4].item() < 1000  # a NaN score never wins
+    finite = [0, 1, 2, 5, 6, 7]
+    verify(out[finite], logits[finite], temps[finite], keys[finite])
+
+
 def test_strided_rows_and_a_misaligned_view():
     wide = torch.randn(16, 50000, device="cuda", dtype=torch.bfloat16) * 3
     temps = torch.full((16,), 0.9, device="cuda")

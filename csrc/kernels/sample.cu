@@ -41,6 +41,13 @@ __device__ __forceinline__ bool beats(float sa, int ia, float sb, int ib) {
   return sa > sb || (sa == sb && ia < ib);
 }
 
+// the largest of the warp's values (NaN-free: best is never NaN)
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 __device__ __forceinline__ void warp_best(float& s, int& i) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -52,18 +59,37 @@ __device__ __forceinline__ void warp_best(float& s, int& i) {
 
 struct Scorer {
   bool greedy;
-  float temperature;
+  bool bounded;  // the cheap bound below may skip tokens (temperatures where its margin holds)
+  float temperature, inv_temperature;
   uint32_t row_key;
 
-  __device__ __forceinline__ float operator()(float x, uint32_t token) const {
-    if (greedy) return x;
+  // the token's 32-bit hash: E's only input besides the row
+  __device__ __forceinline__ uint32_t hash(uint32_t token) const {
     const uint32_t col = mix32(token * 0x27D4EB2Fu ^ 0x165667B1u);
-    const uint32_t h = mix32(mix32(row_key ^ col) ^ (row_key >> 7));
-    // exactly the reference's u in (0, 1) and E = -log(1 - u) (log1pf: accurate as E -> 2^-24;
-    // --use_fast_math leaves it alone, unlike logf)
-    const float u = (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
-    const float e = -log1pf(-u);  // Exp(1), in [2^-24, 16.7]
-    return __fdiv_rn(x, temperature) - __logf(e);  // a true division, like the reference
+    return mix32(mix32(row_key ^ col) ^ (row_key >> 7));
+  }
+
+  __device__ __forceinline__ static float uniform(uint32_t h) {
+    return (static_cast<float>(h >> 9) + 0.5f) * (1.0f / 8388608.0f);  // in (0, 1)
+  }
+
+  // The score, exactly as the reference: u in (0, 1), E = -log(1 - u) (log1pf: accurate as
+  // E -> 2^-24; --use_fast_math leaves it alone, unlike logf), logits / T - log E with a true
+  // division.
+  __device__ __forceinline__ float exact(float x, uint32_t h) const {
+    const float e = -log1pf(-uniform(h));  // Exp(1), in [2^-24, 16.7]
+    return __fdiv_rn(x, temperature) - __logf(e);
+  }
+
+  // A cheap upper bound of exact(x, h): E = -log(1 - u) >= u, so -log E <= -log u, and a
+  // multiplication by 1/T instead of the division; the margin covers the roundings and the fast
+  // logarithms of both (each ~1e-5 at worst for T in [1e-4, 1e4]). A token whose bound is below
+  // the running best cannot win, so only the few near the best pay for log1pf and the division
+  // (the hash and one fast log instead of ~80 instructions: the sampler was compute bound,
+  // 0.5 TB/s at 256 rows).
+  __device__ __forceinline__ float bound(float x, uint32_t h) const {
+    const float a = x * inv_temperature;
+    return a - 0.69314718f * __log2f(uniform(h)) + (1e-4f + 1e-6f * fabsf(a));
   }
 };
 
@@ -81,6 +107,8 @@ sample_tokens_kernel(int64_t* __restrict__ out,            // [N] (splits == 1)
   Scorer score;
   score.temperature = temperatures[row];
   score.greedy = !(score.temperature > 0.0f);
+  score.bounded = score.temperature >= 1e-4f && score.temperature <= 1e4f;
+  score.inv_temperature = 1.0f / score.temperature;
   score.row_key = 0;
   if (!score.greedy) {
     const int64_t* key = seed_keys + static_cast<int64_t>(row) * 3;
@@ -94,22 +122,46 @@ sample_tokens_kernel(int64_t* __restrict__ out,            // [N] (splits == 1)
 
   float best = -INFINITY;
   int best_i = INT_MAX;  // an all -inf row still picks its lowest index, as torch.argmax does
+  // floor: the best score any lane of this warp has reached so far, refreshed once per loop
+  // step. Every token whose upper bound is strictly below it (or below this lane's own best) can
+  // neither win nor tie, so it is skipped. A per-lane best alone was not enough: it starts low,
+  // so for a long while some lane of the warp took the exact path on most steps and the whole
+  // warp waited on it (N = 256: 149 -> 123 us only). A bound that is not finite (inf or NaN
+  // logits, an overflowing x / T) always takes the exact path.
+  float floor = -INFINITY;
+  auto consider = [&](float xv, int i) {
+    float s;
+    if (score.greedy) {
+      s = xv;
+    } else {
+      const uint32_t h = score.hash(static_cast<uint32_t>(i));
+      if (score.bounded) {
+        const float b = score.bound(xv, h);
+        if (b < fmaxf(best, floor) && isfinite(b)) return;
+      }
+      s = score.exact(xv, h);
+    }
+    if (beats(s, i, best, best_i)) best = s, best_i = i;
+  };
   if constexpr (kVec) {
     // 16-byte loads: the row start, the chunk bounds and the vocab are multiples of the width
     constexpr int kW = 16 / sizeof(T);
-    for (int i = begin + threadIdx.x * kW; i < end; i += kThreads * kW) {
-      uint4 raw = *reinterpret_cast<const uint4*>(x + i);
-      const T* v = reinterpret_cast<const T*>(&raw);
+    // (the trip count is the same for every thread: the warp max below needs all 32 lanes)
+    for (int base = begin; base < end; base += kThreads * kW) {
+      const int i = base + threadIdx.x * kW;
+      if (i < end) {
+        uint4 raw = *reinterpret_cast<const uint4*>(x + i);
+        const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < kW; ++j) {
-        const float s = score(load_one(v + j), static_cast<uint32_t>(i + j));
-        if (beats(s, i + j, best, best_i)) best = s, best_i = i + j;
+        for (int j = 0; j < kW; ++j) consider(load_one(v + j), i + j);
       }
+      floor = warp_max(best);
     }
   } else {
-    for (int i = begin + threadIdx.x; i < end; i += kThreads) {
-      const float s = score(load_one(x + i), static_cast<uint32_t>(i));
-      if (beats(s, i, best, best_i)) best = s, best_i = i;
+    for (int base = begin; base < end; base += kThreads) {
+      const int i = base + threadIdx.x;
+      if (i < end) consider(load_one(x + i), i);
+      floor = warp_max(best);
     }
   }
 

@@ -281,7 +281,7 @@ def test_qkv_gemm_rejects_misaligned_and_refused(force):
 
 # ---- the GEMV's launch variants (plain, PDL) ---------------------------------------------------
 
-GEMV_LAUNCH_VARIANTS = ["auto", "pdl"]
+GEMV_LAUNCH_VARIANTS = ["auto", "pdl", "pdl_early"]
 
 
 @pytest.fixture
@@ -363,7 +363,7 @@ def test_linear_silu_and_mul_launch_variants(variant, gemv_variant):
         _check_silu(x, w, out)
 
 
-@pytest.mark.parametrize("variant", ["auto", "pdl"])
+@pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
 def test_gemv_pdl_orders_after_the_previous_kernel(variant, force, gemv_variant):
     # The PDL GEMVs start while the kernel before them runs: they must still read the x and the
     # weight that kernel writes, and the GEMV after them (started early by their
@@ -379,9 +379,15 @@ def test_gemv_pdl_orders_after_the_previous_kernel(variant, force, gemv_variant)
     out = torch.full((1, 1032), float("nan"), device="cuda", dtype=torch.bfloat16)
 
     def step():
-        # kernels (not memcpys) writing both operands, the 200 MB weight last
-        torch.mul(x_new, 1.0, out=x)
-        torch.mul(w1_new, 1.0, out=w1)
+        # kernels (not memcpys) writing both operands, the 200 MB weight last; pdl_early loads
+        # its first weight bytes before it waits, so its contract is a weight not written by the
+        # kernel right before it (a model's weights are not written during a step): x last there
+        if variant == "pdl_early":
+            torch.mul(w1_new, 1.0, out=w1)
+            torch.mul(x_new, 1.0, out=x)
+        else:
+            torch.mul(x_new, 1.0, out=x)
+            torch.mul(w1_new, 1.0, out=w1)
         torch.ops.qwen3_kernels.linear_silu_and_mul(mid, x, w1)
         torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
 

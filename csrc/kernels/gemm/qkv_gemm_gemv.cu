@@ -29,6 +29,14 @@
 //   pdl   programmatic dependent launch (sm_90): the CTAs are scheduled while the kernel before
 //         drains and wait (griddepcontrol.wait) before reading x; they let the next PDL kernel be
 //         scheduled right after.
+//   pdl_early  pdl, with each thread's first stage of weight loads issued before the wait: the
+//         weight never depends on the kernel before, so its first bytes arrive while that kernel
+//         finishes (the ramp of every launch is what the small projections lose at batch 1).
+//         Its contract is narrower: the weight must not be written by the kernel right before it
+//         (a model's weights are not written during a step). Measured (decode_step.py, H200,
+//         2026-11-30, fifth session): Qwen3-8B TP 1 step 4,176 us against 4,081 / 4,145 plain
+//         (pdl 4,178), one TP-2 rank's shapes 2,275 against 2,316 / 2,384 plain: an opt-in
+//         variant until the TP-2 engine has been timed with it.
 // Measured (benchmarks/decode_step.py, H200, 2026-11-30, graph replay of a whole Qwen3-8B decode
 // step at batch 1, two calls): pdl 2.6-3.0% slower than a plain launch at TP 1, 0.4-1.6% faster on
 // one TP-2 rank's shapes, i.e. within that benchmark's noise; asking L2 for the first 16 / 64 KB
@@ -50,8 +58,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kLoadsPerStage = 4;         // 16-byte weight loads per thread per pipeline stage
 constexpr int kSlice = 32 * 8;            // columns one warp covers with one 16-byte load per lane
 
-enum Variant { kAuto, kPdl, kNumVariants };
-constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl"};
+enum Variant { kAuto, kPdl, kPdlEarly, kNumVariants };
+constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "pdl_early"};
 
 VariantKnob<kNumVariants>& knob() {
   static VariantKnob<kNumVariants> k("QWEN3_GEMV_VARIANT", kVariantNames);
@@ -115,7 +123,7 @@ __device__ __forceinline__ void load_stage(uint4 (&buf)[R][U], const T* const (&
 // owns P = R / 2 output columns j0 .. j0 + P - 1 and streams gate rows j0.. and up rows I + j0..,
 // so both factors of an output meet in one warp's registers and the [m, 2 I] product is never
 // written. Grid ceil(I / (4 P)).
-template <typename T, int NT, int R, bool kPdl, bool kSilu>
+template <typename T, int NT, int R, bool kPdl, bool kSilu, bool kEarly = false>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(T* __restrict__ out,        // [m, n], or [m, n / 2] (kSilu)
                 const T* __restrict__ x,    // [m, k], m <= NT
@@ -127,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
   static_assert(NT * R <= 32, "one lane stores each (token, row) result");
   static_assert(!kSilu || R % 2 == 0, "kSilu pairs gate and up rows");
 
-  if constexpr (kPdl) {
+  if constexpr (kPdl && !kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input
     pdl_launch_dependents();
   }
@@ -156,6 +164,10 @@ __global__ void __launch_bounds__(kThreads)
 
   uint4 cur[R][U];
   load_stage<T, R, U>(cur, rows, 0, lane_col, k);
+  if constexpr (kPdl && kEarly) {
+    pdl_wait();  // x may be the previous kernel's output, out its input; the weight is neither
+    pdl_launch_dependents();
+  }
   for (int kk = 0; kk < k; kk += kStep) {
     // the next stage in flight while this one is multiplied
     uint4 nxt[R][U];
@@ -208,11 +220,16 @@ cudaError_t launch(const Problem& p) {
   const int64_t cols_per_cta = static_cast<int64_t>(kWarps) * (kSilu ? R / 2 : R);
   const int64_t n_out = kSilu ? p.n / 2 : p.n;
   const dim3 grid(static_cast<unsigned>((n_out + cols_per_cta - 1) / cols_per_cta));
-  const bool pdl = knob().get() == kPdl && current_device_info().cc_major >= 9;
+  const int variant = knob().get();
+  const bool pdl = (variant == kPdl || variant == kPdlEarly) && current_device_info().cc_major >= 9;
   T* out = static_cast<T*>(p.out);
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  if (pdl && variant == kPdlEarly) {
+    return launch_ex(gemv_kernel<T, NT, R, true, kSilu, true>, grid, dim3(kThreads), p.stream,
+                     true, 1, out, x, w, m, n, k);
+  }
   if (pdl) {
     return launch_ex(gemv_kernel<T, NT, R, true, kSilu>, grid, dim3(kThreads), p.stream, true, 1,
                      out, x, w, m, n, k);

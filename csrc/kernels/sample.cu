@@ -8,6 +8,9 @@
 // the row's key (seed lo, seed hi, counter) and the token id i, so a seeded request gets the same
 // tokens whatever else is in the batch (the same hash as reference.seeded_exponential).
 // Rows with T <= 0 are greedy: score_i = logits_i. Ties go to the lowest index, as torch.argmax.
+// The exact score (log1pf, a true division) is what made the kernel compute bound; most tokens
+// skip it: a cheap upper bound of their score (Scorer::bound) below the warp's best so far means
+// they cannot win. The token chosen is the same as without the skip.
 //
 // Work split: CTA (row, split) scans one contiguous chunk of the row, so a small batch still covers
 // the SMs (batch 1 with a 152k vocab is 64 CTAs, not one); with splits > 1 the chunks' bests go to

@@ -19,7 +19,7 @@ norm=<...> (qwen3_kernels.elementwise_tuning), fuse=0|1 (linear.FUSE_GATE_UP_SIL
 GEMV with silu_and_mul fused), gemv_max=<tokens> (linear.GEMV_MAX_TOKENS), and
 paged_attention_decode's tuning (decode_tuning): splits=<n> (0 = its automatic choice),
 dvariant=<name> (w4s3, w8s3, ...; auto = by batch), dflags=<bits> (INTERLEAVE 1, FAST_COMBINE 2,
-PDL 4; a variant other than auto runs with exactly these); "default" is none.
+PDL 4, FUSED_COMBINE 8; a variant other than auto runs with exactly these); "default" is none.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ import functools
 INTERLEAVE = 1    # split s takes chunks s, s + num_splits, ...: its start does not wait on seq_lens
 FAST_COMBINE = 2  # the combine kernel loads every partial at once
 PDL = 4           # the main kernel is launched with programmatic dependent launch too
-FLAG_NAMES = {INTERLEAVE: "interleave", FAST_COMBINE: "fast_combine", PDL: "pdl"}
+FUSED_COMBINE = 8  # no combine kernel: the split CTA that finishes last merges the partials
+FLAG_NAMES = {INTERLEAVE: "interleave", FAST_COMBINE: "fast_combine", PDL: "pdl",
+              FUSED_COMBINE: "fused_combine"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -156,7 +156,7 @@ def _fits(variant):
     return dt.variant_smem_bytes(variant) <= optin
 
 
-ALL_FLAGS = dt.INTERLEAVE | dt.FAST_COMBINE | dt.PDL
+ALL_FLAGS = dt.INTERLEAVE | dt.FAST_COMBINE | dt.PDL | dt.FUSED_COMBINE
 
 
 def _ids(tunings):
@@ -257,7 +257,7 @@ def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
 # ---- tuning switches (qwen3_kernels.decode_tuning) --------------------------------------------
 
 VARIANTS = ["w4s3", "w4s2", "w4s4", "w4s6", "w8s3"]
-FLAG_SETS = [0, dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL, ALL_FLAGS]
+FLAG_SETS = [0, dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL, dt.FUSED_COMBINE, ALL_FLAGS]
 FORCED_SPLITS = [0, 1, 2, 7, 64]  # 0 = the launcher's choice
 
 
@@ -321,6 +321,19 @@ def test_decode_every_variant_large_batch_and_group_of_20(tuned):
     lens = [rnd.randint(1, 2500) for _ in range(64)] + [1, 16, 4096]
     _check(*_run_case(lens, 32, 8, 16, seed=22))
     _check(*_run_case([1, 300, 2049], 40, 2, 16, seed=23))
+
+
+@pytest.mark.parametrize("splits", [2, 7, 64])
+def test_decode_fused_combine_rearms_its_counters(splits):
+    """The fused combine's arrival counters are back at zero after every call: calls in a row with
+    other batch sizes, GQA ratios and split counts each write every output (NaN poison) and match
+    the reference; a counter left behind would skip or repeat some (sequence, kv head)'s merge."""
+    if not dt.available():
+        pytest.skip("the extension has no decode tuning hooks")
+    for n in (splits, 3, splits):
+        with dt.tuning(n, "w8s3", dt.INTERLEAVE | dt.FUSED_COMBINE):
+            for lens, hq, hkv in (([5, 700, 3000], 32, 8), ([1], 40, 8), ([2049, 17, 333, 1], 16, 8)):
+                _check(*_run_case(lens, hq, hkv, 16, seed=n + len(lens)))
 
 
 def test_decode_tuning_api():

@@ -44,13 +44,6 @@ __device__ __forceinline__ bool beats(float sa, int ia, float sb, int ib) {
   return sa > sb || (sa == sb && ia < ib);
 }
 
-// the largest of the warp's values (NaN-free: best is never NaN)
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 __device__ __forceinline__ void warp_best(float& s, int& i) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {

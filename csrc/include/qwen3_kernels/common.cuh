@@ -56,6 +56,13 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Max over the warp; every lane gets the result (fmaxf: a NaN lane loses to any number).
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // Sum over the block (blockDim.x a multiple of 32); every thread gets the result. Safe to call
 // again right after: the trailing barrier keeps a later call from overwriting the partials before
 // every warp has read them.

@@ -39,6 +39,22 @@
 //     the combine skips it. A sequence that fits in one chunk (all its keys in split 0) is
 //     written by split 0 directly even when several splits were launched, and the combine
 //     leaves it alone: the split count is fixed at capture, the length is not.
+//   * Fused combine (kFlagFusedCombine, a flag; not a default): no combine kernel. Each split
+//     CTA counts itself in an arrival counter of its (sequence, kv head, head chunk) after its
+//     partial is visible (__threadfence), and the CTA that arrives last merges every split's
+//     partial for its q heads and sets the counter back to 0 for the next call. This saves a
+//     kernel boundary per layer, which at batch 1 and a short context is most of the combine's
+//     cost (Qwen3-8B decode step: one split instead of eight was 1.9% faster at 128 tokens, 2.8%
+//     slower at 1024; H200, 2026-11-30). The counters are one zeroed int buffer per device
+//     (combine_counters), allocated outside graph capture and never freed (a captured graph
+//     keeps its address); a launch that finds it too small while capturing takes the combine
+//     kernel instead. Two launches on different streams of one device at the same time would
+//     share counters: the op's callers run decode on one stream at a time.
+//     Measured on top of the one-chunk path (decode_step.py, Qwen3-8B batch 1, w8s3 flags 15
+//     against 7, two pairs each; H200, 2026-11-30, sixth session): 0.7-1.0% faster at 128
+//     tokens, 0.5-0.8% at 384, 0.3% slower at 1024, 1.1-1.5% faster on a TP-2 rank's shapes at
+//     128; engine 217.4 vs 216.6 tok/s at TP 1 and 359.8 vs 357.6 at TP 2 (different calls).
+//     Too small and context-dependent to make it a default.
 //
 // Tuning (for benchmarks and tests; the defaults are the measured behaviour of 2026-11-29):
 //   variant   kernel shape, warps x stages: w4s3 (default: 96 KB smem, 2 CTAs per SM on H100/H200),
@@ -49,7 +65,8 @@
 //             at once, one memory round trip, instead of a loop of dependent loads), kFlagPdl (the
 //             main kernel is launched with programmatic dependent launch too: it waits for the
 //             previous kernel at its very first instruction, so only its launch overlaps the
-//             previous kernel's tail; kernels trigger their dependents early).
+//             previous kernel's tail; kernels trigger their dependents early), kFlagFusedCombine
+//             (the last split CTA merges the partials: no combine kernel; see above).
 //   Set from the environment once (QWEN3_DECODE_SPLITS=n, QWEN3_DECODE_VARIANT=name,
 //   QWEN3_DECODE_FLAGS=bits) or at any time through the exported C function
 //   qwen3_decode_set_tuning (qwen3_kernels/decode_tuning.py wraps it), which a benchmark calls
@@ -70,6 +87,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
@@ -93,7 +111,8 @@ static_assert(kCombineThreads == kHeadDim, "the combine gives each thread one di
 constexpr int kFlagInterleave = 1;
 constexpr int kFlagFastCombine = 2;
 constexpr int kFlagPdl = 4;
-constexpr int kAllFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
+constexpr int kFlagFusedCombine = 8;
+constexpr int kAllFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl | kFlagFusedCombine;
 
 // The kernel shape: warps per CTA and cp.async stages per warp.
 template <int kWarps_, int kStages_>
@@ -141,6 +160,7 @@ struct DecodeParams {
   int interleave;               // 1: split s takes chunks s, s + num_splits, ... (else contiguous)
   int pdl;                      // 1: launched with PDL; wait for the previous grid first
   float scale_log2;             // softmax scale * log2(e): the kernel works in base 2
+  int* counters;                // [B * Hkv * head_chunks] split arrivals (fused combine), or null
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
@@ -162,6 +182,54 @@ __device__ __forceinline__ void pdl_wait_primary() {
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [16][128] tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// ---- fused combine ------------------------------------------------------------------------------
+
+// Every thread of a split CTA calls this once its partial (or its lse = -inf) is written. The CTA
+// that arrives last for (b, kv head, head chunk) merges all num_splits partials of its `rows` q
+// heads into out, as the combine kernels do, and re-arms the counter. smem: >= kRows * (kMaxSplits
+// + 1) floats, free to overwrite (the caller is done with it).
+template <typename T, int kThreads>
+__device__ __forceinline__ void combine_if_last(const DecodeParams& p, int64_t bh0, int rows,
+                                                int counter, float* smem) {
+  __shared__ int is_last;
+  __threadfence();  // this thread's partial stores are visible device-wide before the count
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + counter, 1) == p.num_splits - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // every other split counted itself after its stores: read them from L2 on
+  float* weight = smem;                   // [kRows][kMaxSplits]: 2^(lse_s - max), 0 if skipped
+  float* inv_total = smem + kRows * kMaxSplits;  // [kRows]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows; r += kThreads / 32) {
+    const float* lse = p.ws_lse + (bh0 + r) * p.max_splits;
+    const float a = lane < p.num_splits ? __ldcg(lse + lane) : -INFINITY;
+    const float c = lane + 32 < p.num_splits ? __ldcg(lse + lane + 32) : -INFINITY;
+    const float m = warp_max(fmaxf(a, c));
+    const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
+    const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
+    weight[r * kMaxSplits + lane] = wa;
+    weight[r * kMaxSplits + lane + 32] = wc;
+    const float total = warp_sum(wa + wc);
+    if (lane == 0) inv_total[r] = total > 0.f ? 1.f / total : 0.f;
+  }
+  __syncthreads();
+  const int d = threadIdx.x % kHeadDim;
+  for (int r = threadIdx.x / kHeadDim; r < rows; r += kThreads / kHeadDim) {
+    const float* part = p.ws_out + (bh0 + r) * p.max_splits * kHeadDim + d;
+    const float* w = weight + r * kMaxSplits;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < p.num_splits; ++s) {
+      // a skipped split's stale row may hold NaN: never load it
+      const float v = w[s] != 0.f ? __ldcg(part + static_cast<int64_t>(s) * kHeadDim) : 0.f;
+      acc += w[s] * v;
+    }
+    static_cast<T*>(p.out)[(bh0 + r) * kHeadDim + d] = from_float<T>(acc * inv_total[r]);
+  }
+  if (threadIdx.x == 0) p.counters[counter] = 0;  // all splits have arrived: ready for next call
 }
 
 // ---- main kernel --------------------------------------------------------------------------------
@@ -225,6 +293,10 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
       p.ws_lse[bh * p.max_splits + split] = -INFINITY;
     }
+    if (p.counters != nullptr)  // (uniform over the CTA: every thread reaches the barriers)
+      combine_if_last<T, S::kThreads>(p, static_cast<int64_t>(b) * p.num_q_heads + head0, rows,
+                                      blockIdx.z * gridDim.y + blockIdx.y,
+                                      reinterpret_cast<float*>(smem));
     return;
   }
   // The sequence tile of this warp's i-th tile.
@@ -436,6 +508,13 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       if (d == 0) p.ws_lse[slot] = l > 0.f ? m + __log2f(l) : -INFINITY;
     }
   }
+  if constexpr (kSplit) {
+    // (after the loop above read the merge buffers: it syncs first). A sequence written alone
+    // never counts arrivals: its other splits returned at once, and its counter stays 0.
+    if (p.counters != nullptr && !alone)
+      combine_if_last<T, S::kThreads>(p, static_cast<int64_t>(b) * p.num_q_heads + head0, rows,
+                                      blockIdx.z * gridDim.y + blockIdx.y, so);
+  }
 }
 
 // ---- combine kernels ----------------------------------------------------------------------------
@@ -463,9 +542,7 @@ __global__ void __launch_bounds__(kCombineThreads) paged_decode_combine_kernel(c
     const int lane = threadIdx.x;
     const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
     const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
-    float m = fmaxf(a, c);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float m = warp_max(fmaxf(a, c));
     const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
     const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
     weight[lane] = wa;
@@ -510,9 +587,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
   const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
-  float m = fmaxf(a, c);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const float m = warp_max(fmaxf(a, c));
   const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
   const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
   const float total = warp_sum(wa + wc);  // every warp the same
@@ -650,6 +725,42 @@ int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits, int
   return cap;
 }
 
+// The fused combine's arrival counters: one zeroed int buffer per device, at least n ints, or
+// nullptr when it would have to grow during stream capture (the caller then launches the combine
+// kernel). Grown outside capture (the engine's eager warm-up before each capture does it), never
+// freed: a captured graph keeps the address it was captured with. Every launch leaves it zero.
+int* combine_counters(int64_t n, cudaStream_t stream) {
+  struct Buffer {
+    int* ptr = nullptr;
+    int64_t size = 0;
+  };
+  static std::mutex mutex;
+  static Buffer buffers[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return nullptr;
+  std::lock_guard<std::mutex> lock(mutex);
+  Buffer& buf = buffers[dev];
+  if (buf.size >= n) return buf.ptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess ||
+      status != cudaStreamCaptureStatusNone)
+    return nullptr;
+  const int64_t size = n > (int64_t{1} << 16) ? n : (int64_t{1} << 16);
+  int* ptr = nullptr;
+  if (cudaMalloc(&ptr, size * sizeof(int)) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: fall back to the combine kernel
+    return nullptr;
+  }
+  if (cudaMemsetAsync(ptr, 0, size * sizeof(int), stream) != cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess) {  // zero before any stream's first use
+    (void)cudaGetLastError();
+    (void)cudaFree(ptr);
+    return nullptr;
+  }
+  buf = Buffer{ptr, size};  // the old buffer stays allocated (see above)
+  return ptr;
+}
+
 // cudaLaunchKernelEx with the PDL attribute when asked for and the device has it.
 template <typename Kernel>
 cudaError_t launch_ex(Kernel kernel, dim3 grid, int threads, int smem, bool pdl,
@@ -698,6 +809,8 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
     paged_decode_kernel<T, false, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     return cudaGetLastError();
   }
+  if (flags & kFlagFusedCombine)
+    p.counters = combine_counters(int64_t{batch} * p.num_kv_heads * p.head_chunks, stream);
   if (p.pdl) {
     err = launch_ex(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true, stream,
                     p);
@@ -705,7 +818,7 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
     paged_decode_kernel<T, true, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || p.counters != nullptr) return err;  // fused: no combine kernel
   const dim3 cgrid(batch * p.num_q_heads);
   if (flags & kFlagFastCombine)
     return launch_ex(paged_decode_combine_fast_kernel<T>, cgrid, kCombineThreads, 0, has_pdl,

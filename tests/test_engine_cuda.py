@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+from qwen3_kernels import elementwise_tuning
 from qwen3_model import LLM, SamplingParams
 from qwen3_model.random_checkpoint import write_random_checkpoint
 from tests.helpers import rel_err, requires_cuda
@@ -157,11 +158,13 @@ def test_tp2_fp32_matches_transformers(tmp_path):
 
 
 @requires_2_gpus
-@pytest.mark.parametrize("allreduce", ["nccl", "symm_mem", "custom"])
+@pytest.mark.parametrize("allreduce", ["auto", "nccl", "symm_mem", "custom"])
 def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
     """TP=2 with graph-replayed decode (all-reduce inside the graphs) gives TP=1's greedy tokens,
-    with NCCL's all-reduce, the opt-in one-shot one (QWEN3_TP_ALLREDUCE=symm_mem) and ours fused
-    with the residual add + RMSNorm (QWEN3_TP_ALLREDUCE=custom).
+    with the default (auto: ours), NCCL's all-reduce, the opt-in one-shot one
+    (QWEN3_TP_ALLREDUCE=symm_mem) and ours fused with the residual add + RMSNorm
+    (QWEN3_TP_ALLREDUCE=custom). The TP engine's graphs take the GEMV's pdl_early launch; the
+    process-wide choice is back to what it was once they are captured.
     The two sum the row-parallel layers in another order in bf16, so a near-tie may still flip a
     late token: every prompt's first token and most prompts' 24 tokens must be equal."""
     monkeypatch.setenv("QWEN3_TP_ALLREDUCE", allreduce)  # the spawned worker inherits it
@@ -173,8 +176,11 @@ def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
     ref = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
     del one
     free_cuda()
+    monkeypatch.delenv("QWEN3_GEMV_VARIANT", raising=False)
+    gemv_before = elementwise_tuning.current("gemv")
     two = LLM(stable_ckpt, tensor_parallel_size=2, **kw)
     try:
+        assert elementwise_tuning.current("gemv") == gemv_before
         outs = [o.token_ids for o in two.generate(prompts, sp, use_tqdm=False)]
         assert two.model_runner.num_graph_steps > 0
     finally:

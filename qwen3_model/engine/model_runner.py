@@ -20,7 +20,9 @@ Rank-aware for tensor parallelism: every rank runs the forward; rank 0 samples.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -763,6 +765,22 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
+    def _graph_gemv_variant(self):
+        """The GEMV launch the decode graphs keep (a graph keeps the variant set at capture).
+
+        Under tensor parallelism 'pdl_early': the GEMV's first weight loads are issued while the
+        all-reduce before it waits for the peer (TP-2 rank shapes 1.8-4.6% faster per step; at
+        TP 1 it was 1-2% slower, so the plain launch stays there; RESULTS.md, fifth and sixth
+        sessions). QWEN3_GEMV_VARIANT, when set, decides instead. Restored after capture: the
+        choice is process-wide and other engines in this process keep theirs.
+        """
+        from qwen3_kernels import elementwise_tuning
+
+        if (self.world_size > 1 and "QWEN3_GEMV_VARIANT" not in os.environ
+                and elementwise_tuning.available()):
+            return elementwise_tuning.variant("gemv", "pdl_early")
+        return contextlib.nullcontext()
+
     def capture_cudagraph(self) -> None:
         """One graph per decode batch-size bucket, largest first, all in one memory pool.
 
@@ -776,14 +794,15 @@ class ModelRunner:
         self.make_graph_buffers(max_bs)
         pool = None
         start = time.perf_counter()
-        for bs in reversed(self.graph_batch_sizes):
-            self.graph_forward(bs)  # warm-up outside the graph (lazy inits, autotuning)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.graph_forward(bs)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+        with self._graph_gemv_variant():
+            for bs in reversed(self.graph_batch_sizes):
+                self.graph_forward(bs)  # warm-up outside the graph (lazy inits, autotuning)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self.graph_forward(bs)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[bs] = graph
+                torch.cuda.synchronize()
         self.graph_pool = pool
         self.capture_seconds = time.perf_counter() - start

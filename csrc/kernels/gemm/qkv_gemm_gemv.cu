@@ -35,8 +35,10 @@
 //         Its contract is narrower: the weight must not be written by the kernel right before it
 //         (a model's weights are not written during a step). Measured (decode_step.py, H200,
 //         2026-11-30, fifth session): Qwen3-8B TP 1 step 4,176 us against 4,081 / 4,145 plain
-//         (pdl 4,178), one TP-2 rank's shapes 2,275 against 2,316 / 2,384 plain: an opt-in
-//         variant until the TP-2 engine has been timed with it.
+//         (pdl 4,178), one TP-2 rank's shapes 2,275 against 2,316 / 2,384 plain. In the TP-2
+//         engine (sixth session) 357.6 / 357.6 tok/s against 344.6 / 344.9 plain, so the engine's
+//         decode graphs capture it under tensor parallelism (model_runner._graph_gemv_variant);
+//         the process default stays the plain launch.
 // Measured (benchmarks/decode_step.py, H200, 2026-11-30, graph replay of a whole Qwen3-8B decode
 // step at batch 1, two calls): pdl 2.6-3.0% slower than a plain launch at TP 1, 0.4-1.6% faster on
 // one TP-2 rank's shapes, i.e. within that benchmark's noise; asking L2 for the first 16 / 64 KB

@@ -243,3 +243,33 @@ def test_linear_shapes_vs_cublas(size, tp, proj, t, report):
     line = ", ".join(f"{c} {s * 1e6:.1f} ({nbytes / s / 1e12:.2f} TB/s)" for c, s in times.items())
     print(f"\n[linear] {size} tp{tp} {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} "
           f"({nbytes / base / 1e12:.2f} TB/s), {line}; cublas/auto {base / times['auto']:.2f}x")
+
+
+# The decode steps of the nano-vllm workload at 8B run every projection at T = 128..256 through
+# cuBLAS (the table's CB cells, and linear.py's rule for o / gate_up / down). The step profile
+# (RESULTS.md, fifth session) found o_proj at 502 TFLOP/s and down (cuBLAS split-K) at 578 against
+# gate_up's 701: this times each CUTLASS configuration of ours on those shapes next to cuBLAS, so a
+# cell where one wins can become a table entry.
+WORKLOAD_CASES = [(proj, t) for proj in ("o", "down", "qkv", "gate_up") for t in (128, 256)]
+
+
+@pytest.mark.parametrize("proj,t", WORKLOAD_CASES, ids=[f"8B-{p}-T{t}" for p, t in WORKLOAD_CASES])
+def test_workload_shapes_configs(proj, t, report):
+    n, k = _linear_shapes("8B", 1)[proj]
+    base, run = _cublas_and_ours(_sets(t, n, k))
+    candidates = ["swap_128x64:heuristic", "swap_128x64:streamk", "swap_128x64:dp",
+                  "tile_128x128:heuristic", "tile_128x128:streamk", "tile_128x128:dp",
+                  "tile_128x128:split2", "tile_128x256:heuristic", "tile_128x256:streamk"]
+    times = {}
+    for config in candidates:
+        try:
+            times[config] = _with_force(config, run)
+        except Exception as e:  # noqa: BLE001 - a config that cannot run this case is skipped
+            print(f"\n[workload] 8B {proj} T={t} {config}: {type(e).__name__}: {str(e)[:100]}")
+    best = min(times, key=times.get)
+    flops = 2 * t * n * k
+    report("linear", f"8B {proj} N={n} K={k} T={t} {best}", times[best], {"cublas": base},
+           flops=flops)
+    line = ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(times.items(), key=lambda i: i[1]))
+    print(f"\n[workload] 8B {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} us "
+          f"({flops / base / 1e12:.0f} TFLOP/s); {line}; best/cublas {base / times[best]:.2f}x")

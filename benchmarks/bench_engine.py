@@ -295,10 +295,22 @@ def main(argv=None):
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="GPUs (one process each); weights bandwidth is then per GPU")
     p.add_argument("--json", help="append the result as one JSON line to this file")
+    p.add_argument("--allow-reference", action="store_true",
+                   help="run on a CUDA device even when the qwen3_kernels extension is not loaded "
+                        "(the reference path: its numbers say nothing about the kernels)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("note: no CUDA device; this runs the CPU reference path and says nothing about "
               "the kernels", flush=True)
+    else:
+        import qwen3_kernels
+
+        if not qwen3_kernels.has_cuda_kernels() and not args.allow_reference:
+            # a benchmark of the reference path on a GPU is not a number about this engine
+            # (2026-11-30: a run without its build printed 9-16 tok/s for Qwen3-8B)
+            p.error("the qwen3_kernels CUDA extension is not loaded "
+                    f"({qwen3_kernels.cuda_kernels_import_error()}); build it "
+                    "(pip install --no-build-isolation -e .) or pass --allow-reference")
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="qwen3-bench-") as tmp:

@@ -29,10 +29,10 @@
 // come from the host). counters[0] is this rank's call count c (device memory, zeroed at setup):
 // every CTA reads it at the start, and the last CTA to finish (counters[1] counts finished CTAs)
 // advances it, so the next kernel in stream order sees c + 1; a grid of one CTA advances it right
-// after reading it. Every rank makes the same sequence
-// of calls (TP ranks run the same model), so c agrees across ranks without any exchange. A call
-// writes and reads half c & 1 with flag c + 1 (never 0: the buffer starts zeroed, so a packet never
-// written can never pass; c skips 0xFFFFFFFF, keeping the parity alternating).
+// after reading it. Every rank makes the same sequence of calls (TP ranks run the same model), so
+// c agrees across ranks without any exchange. A call writes and reads half c & 1 with flag c + 1
+// (never 0: the buffer starts zeroed, so a packet never written can never pass; c skips
+// 0xFFFFFFFF, keeping the parity alternating).
 //
 // Why reusing a half is safe: rank A's call c + 2 writes half c & 1 of rank B's buffer, which B
 // reads in its call c. A starts call c + 2 only after its call c + 1 has finished (stream order;

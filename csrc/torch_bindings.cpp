@@ -343,15 +343,15 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
 // qkv_gemm
 // ---------------------------------------------------------------------------------------------
 
-// Hopper runs our CUTLASS / hand-written kernels (kernels/gemm/) where the choice table measured
-// them faster than cuBLAS, and cuBLAS (at::mm_out) where it did not; any other GPU gets cuBLAS:
-// the same result, so the op works everywhere the extension loads.
-void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
-  const char* op = "qkv_gemm";
+// The operand checks qkv_gemm and linear_silu_and_mul share. x [m, k], weight [n, k], out
+// [m, n / out_div]: one half dtype on x's device, contiguous, 16-byte aligned starts; n and k
+// positive multiples of 8 (n_name says what the weight's rows are in the message). Returns the dtype.
+DType check_linear_operands(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                            int64_t out_div, const char* n_name, const char* op) {
   check_cuda(x, x, op, "x");
   check_cuda(weight, x, op, "weight");
   check_cuda(out, x, op, "out");
-  DType dt = half_dtype(x, op, "x");
+  const DType dt = half_dtype(x, op, "x");
   check_dtype(weight, x.scalar_type(), op, "weight");
   check_dtype(out, x.scalar_type(), op, "out");
   check_dim(x, 2, op, "x");
@@ -361,17 +361,27 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   check_contiguous(out, op, "out");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   QK_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
-              "] but weight is ", weight.sizes(), ": inner dims differ");
-  QK_CHECK(k % 8 == 0 && n % 8 == 0 && k > 0 && n > 0, "qwen3_kernels.", op,
-              ": K and N must be positive multiples of 8, got K=", k, " N=", n);
-  QK_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "qwen3_kernels.", op,
-              ": out must be [", m, ", ", n, "], got ", out.sizes());
+           "] but weight is ", weight.sizes(), ": inner dims differ");
+  QK_CHECK(k % 8 == 0 && n % 8 == 0 && k > 0 && n > 0, "qwen3_kernels.", op, ": K and ", n_name,
+           " must be positive multiples of 8, got K=", k, " ", n_name, "=", n);
+  QK_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n / out_div, "qwen3_kernels.", op,
+           ": out must be [", m, ", ", n / out_div, "], got ", out.sizes());
   const at::Tensor* operands[] = {&x, &weight, &out};
   for (const at::Tensor* t : operands) {
     QK_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "qwen3_kernels.", op,
-                ": x, weight and out must start 16-byte aligned (TMA); got a view at offset ",
-                t->storage_offset());
+             ": x, weight and out must start 16-byte aligned; got a view at offset ",
+             t->storage_offset());
   }
+  return dt;
+}
+
+// Hopper runs our CUTLASS / hand-written kernels (kernels/gemm/) where the choice table measured
+// them faster than cuBLAS, and cuBLAS (at::mm_out) where it did not; any other GPU gets cuBLAS:
+// the same result, so the op works everywhere the extension loads.
+void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "qkv_gemm";
+  const DType dt = check_linear_operands(out, x, weight, 1, "N", op);
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   if (qwen3_kernels::qkv_gemm_prefers_cublas(m, n, k)) {  // measured faster there (the table)
@@ -405,31 +415,9 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
 // silu_and_mul: the same values either way (up to the GEMM's summation order).
 void linear_silu_and_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
   const char* op = "linear_silu_and_mul";
-  check_cuda(x, x, op, "x");
-  check_cuda(weight, x, op, "weight");
-  check_cuda(out, x, op, "out");
-  DType dt = half_dtype(x, op, "x");
-  check_dtype(weight, x.scalar_type(), op, "weight");
-  check_dtype(out, x.scalar_type(), op, "out");
-  check_dim(x, 2, op, "x");
-  check_dim(weight, 2, op, "weight");
-  check_contiguous(x, op, "x");
-  check_contiguous(weight, op, "weight");
-  check_contiguous(out, op, "out");
+  // the weight's rows are gate then up: 2I of them
+  const DType dt = check_linear_operands(out, x, weight, 2, "2I", op);
   const int64_t m = x.size(0), k = x.size(1), two_i = weight.size(0);
-  QK_CHECK(weight.size(1) == k, "qwen3_kernels.", op, ": x is [", m, ", ", k,
-           "] but weight is ", weight.sizes(), ": inner dims differ");
-  QK_CHECK(k % 8 == 0 && two_i % 8 == 0 && k > 0 && two_i > 0, "qwen3_kernels.", op,
-           ": K and 2I (weight rows: gate then up) must be positive multiples of 8, got K=", k,
-           " 2I=", two_i);
-  QK_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == two_i / 2, "qwen3_kernels.", op,
-           ": out must be [", m, ", ", two_i / 2, "], got ", out.sizes());
-  const at::Tensor* operands[] = {&x, &weight, &out};
-  for (const at::Tensor* t : operands) {
-    QK_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "qwen3_kernels.", op,
-             ": x, weight and out must start 16-byte aligned; got a view at offset ",
-             t->storage_offset());
-  }
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

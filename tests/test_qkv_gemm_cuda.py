@@ -279,6 +279,39 @@ def test_qkv_gemm_rejects_misaligned_and_refused(force):
         torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
 
 
+# The op's own checks (torch_bindings.cpp, one helper for both ops), called directly: the Python
+# wrappers check first, so only a direct torch.ops call reaches these.
+BAD_OPERANDS = [
+    # (case, x [T, K], weight [N, K], out [T, N / div] unless given, match)
+    ("inner dims", dict(x=(4, 64), w=(16, 32)), "inner dims differ"),
+    ("K not a multiple of 8", dict(x=(4, 60), w=(16, 60)), "multiples of 8"),
+    ("N not a multiple of 8", dict(x=(4, 64), w=(20, 64)), "multiples of 8"),
+    ("out shape", dict(x=(4, 64), w=(16, 64), out=(4, 4)), "out must be"),
+    ("weight dtype", dict(x=(4, 64), w=(16, 64), w_dtype=torch.float16), "weight must be BFloat16"),
+    ("out dtype", dict(x=(4, 64), w=(16, 64), out_dtype=torch.float16), "out must be BFloat16"),
+    ("x on the CPU", dict(x=(4, 64), w=(16, 64), x_cpu=True), "x must be a CUDA tensor"),
+    ("strided x", dict(x=(4, 128), w=(16, 64), x_cols=64), "x must be contiguous"),
+    ("x 3-d", dict(x=(4, 64, 1), w=(16, 64)), "x must have 2 dims"),
+]
+
+
+@pytest.mark.parametrize("op,div", [("qkv_gemm", 1), ("linear_silu_and_mul", 2)])
+@pytest.mark.parametrize("case,spec,match", BAD_OPERANDS, ids=[c[0] for c in BAD_OPERANDS])
+def test_ops_reject_bad_operands_directly(op, div, case, spec, match):
+    bf16 = torch.bfloat16
+    x = torch.randn(*spec["x"], device="cpu" if spec.get("x_cpu") else "cuda").to(bf16)
+    if "x_cols" in spec:
+        x = x[:, : spec["x_cols"]]  # a strided view
+    w = torch.randn(*spec["w"], device="cuda").to(spec.get("w_dtype", bf16))
+    rows = spec["x"][0]
+    out = torch.full(spec.get("out", (rows, spec["w"][0] // div)), float("nan"), device="cuda",
+                     dtype=spec.get("out_dtype", bf16))
+    before = out.clone()
+    with pytest.raises(RuntimeError, match=match):
+        getattr(torch.ops.qwen3_kernels, op)(out, x, w)
+    assert torch.equal(out.isnan(), before.isnan())  # nothing written
+
+
 # ---- the GEMV's launch variants (plain, PDL) ---------------------------------------------------
 
 GEMV_LAUNCH_VARIANTS = ["auto", "pdl", "pdl_early"]

@@ -228,13 +228,10 @@ cudaError_t launch(const Problem& p) {
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  if (pdl && variant == kPdlEarly) {
-    return launch_ex(gemv_kernel<T, NT, R, true, kSilu, true>, grid, dim3(kThreads), p.stream,
-                     true, 1, out, x, w, m, n, k);
-  }
-  if (pdl) {
-    return launch_ex(gemv_kernel<T, NT, R, true, kSilu>, grid, dim3(kThreads), p.stream, true, 1,
-                     out, x, w, m, n, k);
+  if (pdl) {  // the two PDL kernels differ only in where the wait sits
+    auto* kernel = variant == kPdlEarly ? gemv_kernel<T, NT, R, true, kSilu, true>
+                                        : gemv_kernel<T, NT, R, true, kSilu, false>;
+    return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, m, n, k);
   }
   gemv_kernel<T, NT, R, false, kSilu><<<grid, kThreads, 0, p.stream>>>(out, x, w, m, n, k);
   return cudaGetLastError();

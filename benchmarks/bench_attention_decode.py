@@ -122,6 +122,51 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
 _BASELINES: dict = {}
 
 
+# Batch 1 at a chat turn's short contexts (the batch-1 engine benchmark decodes at 128..640
+# tokens): the kernel is latency here, not bandwidth. The block tables are 4096 tokens wide, as the
+# engine's (max_model_len 4096), so the automatic split count is the one its graphs capture. Rows:
+# the default (w8s3c1, flags 7: interleave, fast combine, PDL; chunks of one tile per warp, so a
+# few hundred keys are read by several splits at once), the same with the fused combine (flags
+# 15), w8s3c2 (2 tiles per warp) with it, and w8s3 (4 tiles per warp: the default until the
+# seventh session) with flags 7 and 15; the ratio column is against that old default. Back-to-back
+# calls of one op, so PDL overlaps their launches: a kernel's cost in steady state, not its latency
+# between two other ops.
+SHORT_CASES = [(1, 128), (1, 384), (1, 640), (1, 1024), (1, 2048)]
+SHORT_HEADS = [(32, 8), (16, 4)]  # Qwen3-8B, and one TP-2 rank of it
+SHORT_ROWS = [("w8s3c1", 7), ("w8s3c1", 15), ("w8s3c2", 15), ("w8s3", 7), ("w8s3", 15)]
+TABLE_WIDTH = 4096 // 16
+
+
+@pytest.mark.parametrize("hq,hkv", SHORT_HEADS)
+@pytest.mark.parametrize("b,ctx", SHORT_CASES)
+def test_decode_batch1_short_contexts(b, ctx, hq, hkv, report):
+    if not dt.available():
+        pytest.skip("the extension has no decode tuning hooks")
+    scale = 1 / math.sqrt(D)
+    nbytes = 2 * b * hkv * ctx * D * 2 + 2 * b * hq * D * 2
+    sets = _make_sets(b, ctx, hq, hkv, 16)
+    for s in sets:  # pad the tables to the engine's width (entries past seq_len are never read)
+        t = s["block_tables"]
+        s["block_tables"] = torch.cat([t, t[:, :1].expand(b, TABLE_WIDTH - t.shape[1])], 1)
+    calls = max(len(sets), 8)
+    times, splits = {}, {}
+    for variant, flags in SHORT_ROWS:
+        label = f"{variant} flags {flags}"
+        with dt.tuning(0, variant, flags):
+            _guard(sets[0], scale, label)
+            times[label] = _time_ours(sets, scale, calls)
+            splits[label] = dt.last_num_splits()
+    baselines, notes = _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=True)
+    ours, old = "w8s3c1 flags 7", "w8s3 flags 7"  # the default, and the one before it
+    baselines[old] = times[old]
+    report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs=16 {ours} "
+           f"({splits[ours]} splits)", times[ours], baselines, nbytes=nbytes,
+           note="; ".join(notes))
+    line = ", ".join(f"{k} {v * 1e6:.2f} us ({splits[k]} splits)" for k, v in times.items())
+    print(f"\n[short] B={b} ctx={ctx} Hq/Hkv={hq}/{hkv}: cudnn "
+          f"{baselines.get('cudnn', float('nan')) * 1e6:.2f} us; {line}")
+
+
 def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):
     baselines, notes = {}, []
 

@@ -273,3 +273,26 @@ def test_workload_shapes_configs(proj, t, report):
     line = ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(times.items(), key=lambda i: i[1]))
     print(f"\n[workload] 8B {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} us "
           f"({flops / base / 1e12:.0f} TFLOP/s); {line}; best/cublas {base / times[best]:.2f}x")
+
+
+# o and down of Qwen3-8B, whole and as one TP-2 rank's shard, at the decode graphs' batch sizes
+# 96..256 (multiples of 16, the bucket sizes of the captured graphs): cuBLAS against our swapped
+# tiles, forced; `auto` is what the op's table runs (cuBLAS on these shapes). Seventh session:
+# swap_128x64 won 1.03-1.32x at some T in 160..240, but routing those cells through the op made
+# the 8B workload 0.8% slower (branch experiment/projection-cells, RESULTS.md).
+SWEEP_CASES = [(tp, proj, t) for tp in (1, 2) for proj in ("o", "down") for t in range(96, 257, 16)]
+
+
+@pytest.mark.parametrize("tp,proj,t", SWEEP_CASES,
+                         ids=[f"8B-tp{tp}-{p}-T{t}" for tp, p, t in SWEEP_CASES])
+def test_projection_sweep(tp, proj, t, report):
+    n, k = _linear_shapes("8B", tp)[proj]
+    base, run = _cublas_and_ours(_sets(t, n, k))
+    times = {c: _with_force(c, run) for c in ("auto", "swap_128x64:heuristic", "swap_128x64:dp",
+                                              "swap_128x64:streamk", "tile_128x128:split2")}
+    best = min(times, key=times.get)
+    report("linear", f"8B tp{tp} {proj} N={n} K={k} T={t} auto", times["auto"], {"cublas": base},
+           flops=2 * t * n * k)
+    line = ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(times.items(), key=lambda i: i[1]))
+    print(f"\n[sweep] 8B tp{tp} {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} us; {line}; "
+          f"best {best} {base / times[best]:.2f}x, auto {base / times['auto']:.2f}x")

@@ -64,7 +64,8 @@ def _need():
 
 def variants() -> list[str]:
     """Variant names by index; the default is index -1 (AUTO): w4s3 when the batch fills the
-    GPU without splits, w8s3 with every flag otherwise (see decode.cu)."""
+    GPU without splits, otherwise w8s3c1 (w8s3 in chunks of one tile per warp) with interleaved
+    splits, the fast combine and PDL (see decode.cu)."""
     lib = _need()
     n = lib.qwen3_decode_num_variants()
     return [lib.qwen3_decode_variant_name(i).decode() for i in range(n)]

@@ -256,7 +256,7 @@ def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
 
 # ---- tuning switches (qwen3_kernels.decode_tuning) --------------------------------------------
 
-VARIANTS = ["w4s3", "w4s2", "w4s4", "w4s6", "w8s3"]
+VARIANTS = ["w4s3", "w4s2", "w4s4", "w4s6", "w8s3", "w8s3c1", "w8s3c2"]
 FLAG_SETS = [0, dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL, dt.FUSED_COMBINE, ALL_FLAGS]
 FORCED_SPLITS = [0, 1, 2, 7, 64]  # 0 = the launcher's choice
 
@@ -367,7 +367,8 @@ def test_decode_tuning_from_the_environment():
 
 def test_decode_default_is_the_automatic_choice():
     # a fresh process without the tuning variables: variant AUTO (w4s3 when the batch fills the
-    # GPU, w8s3 + all flags when it needs splits), no forced splits, no explicit flags
+    # GPU, w8s3c1 + interleave, fast combine, PDL when it needs splits), no forced splits, no
+    # explicit flags
     if not dt.available():
         pytest.skip("the extension has no decode tuning hooks")
     code = ("import torch, qwen3_kernels; from qwen3_kernels import decode_tuning as dt; "

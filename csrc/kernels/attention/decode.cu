@@ -16,7 +16,8 @@
 //     re-reading the K/V: a case Qwen3 does not have).
 //   * The keys of a sequence are cut into tiles of 16 (the smallest block size, so a tile never spans
 //     two cache blocks: one block-table lookup per tile). A "chunk" is 4 tiles per warp (256 keys
-//     with 4 warps); a non-empty split covers at least one chunk, so short sequences use fewer
+//     with 4 warps; 1 or 2 tiles in the w8s3c1 / w8s3c2 variants, w8s3c1 the default at small
+//     batches); a non-empty split covers at least one chunk, so short sequences use fewer
 //     splits rather than many CTAs that each fill no pipeline. The split count itself is chosen on
 //     the host from B, Hkv, the SM count and the context's upper bound (max_blocks * block_size), so
 //     no host sync is needed and a CUDA graph replays correctly whatever seq_lens hold.
@@ -100,7 +101,6 @@ constexpr int kRows = 16;                       // q heads per CTA: the mma M di
 constexpr int kTileKeys = 16;                   // keys per warp tile (= smallest block size)
 constexpr int kTileElems = kTileKeys * kHeadDim;
 constexpr int kStageElems = 2 * kTileElems;     // K tile then V tile
-constexpr int kTilesPerWarpChunk = 4;           // a chunk: this many tiles for each warp
 constexpr int kMergeStride = kHeadDim + 8;      // padded fp32 row: conflict-free float2 stores
 constexpr int kMaxSplits = 64;                  // combine kernels hold one weight per split
 constexpr int kCombineThreads = 128;            // one thread per dim
@@ -114,11 +114,13 @@ constexpr int kFlagPdl = 4;
 constexpr int kFlagFusedCombine = 8;
 constexpr int kAllFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl | kFlagFusedCombine;
 
-// The kernel shape: warps per CTA and cp.async stages per warp.
-template <int kWarps_, int kStages_>
+// The kernel shape: warps per CTA, cp.async stages per warp, and tiles per warp in a chunk (the
+// unit of work a split takes: fewer tiles per chunk spread a short context over more splits).
+template <int kWarps_, int kStages_, int kTilesPerWarpChunk_ = 4>
 struct Shape {
   static constexpr int kWarps = kWarps_;
   static constexpr int kStages = kStages_;
+  static constexpr int kTilesPerWarpChunk = kTilesPerWarpChunk_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kPipeBytes = kWarps * kStages * kStageElems * 2;
   static constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
@@ -140,6 +142,11 @@ constexpr VariantInfo kVariants[] = {
     {"w4s4", 4, 4},  // 128 KB, 1 CTA per SM, 3 tiles in flight per warp
     {"w4s6", 4, 6},  // 192 KB, 1 CTA per SM, 5 tiles in flight per warp
     {"w8s3", 8, 3},  // 192 KB, 1 CTA per SM of 8 warps: 2 warps per scheduler hide mma latency
+    // w8s3 with chunks of 1 / 2 tiles per warp (128 / 256 keys) instead of 4 (512 keys): at batch
+    // 1 a context of a few hundred keys is read by several splits at once instead of by one CTA
+    // per kv head walking 4 tiles per warp in a row (each tile costs a memory latency).
+    {"w8s3c1", 8, 3},
+    {"w8s3c2", 8, 3},
 };
 constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 
@@ -240,6 +247,7 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   constexpr int kWarps = S::kWarps;
   constexpr int kStages = S::kStages;
   constexpr int kChunkTiles = S::kChunkTiles;
+  constexpr int kTilesPerWarpChunk = S::kTilesPerWarpChunk;
   extern __shared__ __align__(16) unsigned char smem[];
   if (p.pdl) pdl_wait_primary();  // before any read: the previous kernel may have written q or K/V
   if (kSplit || p.pdl) pdl_launch_dependents();
@@ -621,10 +629,16 @@ __global__ void __launch_bounds__(kCombineThreads)
 // (benchmarks/RESULTS.md): when the batch's (sequence, kv head) CTAs fill every SM without splits,
 // w4s3 without flags (2 CTAs per SM; B=32 ctx 4k 0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x, where
 // w8s3 measured 0.93-0.97x); otherwise (the batch needs splits) w8s3 with interleaved splits, the
-// one-round-trip combine and PDL (B=16 ctx 2k 0.96-1.02x, B=1 ctx 32k 1.01-1.05x; w4s3 0.90-0.97x).
-// On a GPU without 192 KB of shared memory per CTA w8s3 falls back to w4s3.
+// one-round-trip combine and PDL (B=16 ctx 2k 0.96-1.02x, B=1 ctx 32k 1.01-1.05x; w4s3 0.90-0.97x),
+// in chunks of one tile per warp (w8s3c1, seventh session): at batch 1 a context of 384 / 640 /
+// 1024 keys is read by 3 / 5 / 8 splits at once instead of 1 / 2 / 2, 6.6 / 7.0 / 7.3 us instead
+// of 8.2 / 11.4 / 11.1 for Qwen3-8B's heads (cuDNN 7.2 / 8.6 / 7.6), the same at 128 keys, B=16
+// ctx 2k and B=1 ctx 32k; engine, Qwen3-8B batch 1: 219.8-219.9 tok/s against 215.5-218.7, and
+// 366.8-367.9 against 358.2-358.3 at TP 2. (w8s3c1 with the fused combine lost at TP 2: merging
+// 31 splits' partials in one CTA.) On a GPU without 192 KB of shared memory per CTA w8s3* falls
+// back to w4s3.
 constexpr int kAutoVariant = -1;
-constexpr int kSmallBatchVariant = 4;  // w8s3
+constexpr int kSmallBatchVariant = 5;  // w8s3c1
 constexpr int kSmallBatchFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
 
 struct Tuning {
@@ -841,7 +855,7 @@ cudaError_t launch_variant(int variant, DecodeParams p, int batch, int max_ctx, 
     const int need = variant == 1   ? Shape<4, 2>::kSmemBytes
                      : variant == 2 ? Shape<4, 4>::kSmemBytes
                      : variant == 3 ? Shape<4, 6>::kSmemBytes
-                     : variant == 4 ? Shape<8, 3>::kSmemBytes
+                     : variant >= 4 ? Shape<8, 3>::kSmemBytes
                                     : 0;
     if (optin_smem[dev] > 0 && need > optin_smem[dev]) variant = 0;
   }
@@ -850,10 +864,12 @@ cudaError_t launch_variant(int variant, DecodeParams p, int batch, int max_ctx, 
     case 2: return launch<T, Shape<4, 4>>(p, batch, max_ctx, num_sms, f, flags, stream);
     case 3: return launch<T, Shape<4, 6>>(p, batch, max_ctx, num_sms, f, flags, stream);
     case 4: return launch<T, Shape<8, 3>>(p, batch, max_ctx, num_sms, f, flags, stream);
+    case 5: return launch<T, Shape<8, 3, 1>>(p, batch, max_ctx, num_sms, f, flags, stream);
+    case 6: return launch<T, Shape<8, 3, 2>>(p, batch, max_ctx, num_sms, f, flags, stream);
     default: return launch<T, Shape<4, 3>>(p, batch, max_ctx, num_sms, f, flags, stream);
   }
 }
-static_assert(kNumVariants == 5, "launch_variant's switch lists every variant");
+static_assert(kNumVariants == 7, "launch_variant's switch lists every variant");
 
 }  // namespace
 
@@ -946,7 +962,9 @@ QWEN3_DECODE_EXPORT int qwen3_decode_variant_smem_bytes(int variant) {
     case 1: return Shape<4, 2>::kSmemBytes;
     case 2: return Shape<4, 4>::kSmemBytes;
     case 3: return Shape<4, 6>::kSmemBytes;
-    case 4: return Shape<8, 3>::kSmemBytes;
+    case 4:
+    case 5:
+    case 6: return Shape<8, 3>::kSmemBytes;
     default: return -1;
   }
 }

@@ -132,22 +132,21 @@ struct Shape {
 };
 
 // The variants the launcher can run, by index (QWEN3_DECODE_VARIANT / qwen3_decode_set_tuning).
-// (warps, stages, tiles per warp in a chunk: the Shape launch_variant runs for each)
 struct VariantInfo {
   const char* name;
-  int warps, stages, chunk_tiles_per_warp;
+  int warps, stages;
 };
 constexpr VariantInfo kVariants[] = {
-    {"w4s3", 4, 3, 4},  // 0, the default: 96 KB of shared memory, 2 CTAs per SM on H100/H200
-    {"w4s2", 4, 2, 4},  // 64 KB, 3 CTAs per SM: more CTAs to overlap one another's start and end
-    {"w4s4", 4, 4, 4},  // 128 KB, 1 CTA per SM, 3 tiles in flight per warp
-    {"w4s6", 4, 6, 4},  // 192 KB, 1 CTA per SM, 5 tiles in flight per warp
-    {"w8s3", 8, 3, 4},  // 192 KB, 1 CTA per SM of 8 warps: 2 warps per scheduler hide mma latency
+    {"w4s3", 4, 3},  // 0, the default: 96 KB of shared memory, 2 CTAs per SM on H100/H200
+    {"w4s2", 4, 2},  // 64 KB, 3 CTAs per SM: more CTAs to overlap one another's start and end
+    {"w4s4", 4, 4},  // 128 KB, 1 CTA per SM, 3 tiles in flight per warp
+    {"w4s6", 4, 6},  // 192 KB, 1 CTA per SM, 5 tiles in flight per warp
+    {"w8s3", 8, 3},  // 192 KB, 1 CTA per SM of 8 warps: 2 warps per scheduler hide mma latency
     // w8s3 with chunks of 1 / 2 tiles per warp (128 / 256 keys) instead of 4 (512 keys): at batch
     // 1 a context of a few hundred keys is read by several splits at once instead of by one CTA
     // per kv head walking 4 tiles per warp in a row (each tile costs a memory latency).
-    {"w8s3c1", 8, 3, 1},
-    {"w8s3c2", 8, 3, 2},
+    {"w8s3c1", 8, 3},
+    {"w8s3c2", 8, 3},
 };
 constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
 

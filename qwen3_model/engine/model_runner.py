@@ -764,7 +764,6 @@ class ModelRunner:
         finally:
             reset_context()
 
-    @torch.inference_mode()
     def _graph_gemv_variant(self):
         """The GEMV launch the decode graphs keep (a graph keeps the variant set at capture).
 
@@ -781,6 +780,7 @@ class ModelRunner:
             return elementwise_tuning.variant("gemv", "pdl_early")
         return contextlib.nullcontext()
 
+    @torch.inference_mode()
     def capture_cudagraph(self) -> None:
         """One graph per decode batch-size bucket, largest first, all in one memory pool.
 

@@ -191,6 +191,25 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
+// ---- split weights ------------------------------------------------------------------------------
+
+// One warp, one (b, h): the weights w_s = 2^(lse_s - max lse) of the splits lane and lane + 32
+// (lse_a, lse_c; -inf past num_splits) and their sum over all splits (in every lane). A split that
+// saw no key (lse = -inf) weighs 0, so a caller that skips zero weights never reads its stale
+// (maybe NaN) partial. Shared by the fused combine and both combine kernels.
+struct SplitWeights {
+  float a, c;   // weights of splits lane and lane + 32
+  float total;  // sum of all weights (0 when no split saw a key)
+};
+__device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_c) {
+  const float m = warp_max(fmaxf(lse_a, lse_c));
+  SplitWeights w;
+  w.a = lse_a == -INFINITY ? 0.f : exp2f(lse_a - m);
+  w.c = lse_c == -INFINITY ? 0.f : exp2f(lse_c - m);
+  w.total = warp_sum(w.a + w.c);
+  return w;
+}
+
 // ---- fused combine ------------------------------------------------------------------------------
 
 // Every thread of a split CTA calls this once its partial (or its lse = -inf) is written. The CTA
@@ -214,13 +233,10 @@ __device__ __forceinline__ void combine_if_last(const DecodeParams& p, int64_t b
     const float* lse = p.ws_lse + (bh0 + r) * p.max_splits;
     const float a = lane < p.num_splits ? __ldcg(lse + lane) : -INFINITY;
     const float c = lane + 32 < p.num_splits ? __ldcg(lse + lane + 32) : -INFINITY;
-    const float m = warp_max(fmaxf(a, c));
-    const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
-    const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
-    weight[r * kMaxSplits + lane] = wa;
-    weight[r * kMaxSplits + lane + 32] = wc;
-    const float total = warp_sum(wa + wc);
-    if (lane == 0) inv_total[r] = total > 0.f ? 1.f / total : 0.f;
+    const SplitWeights w = split_weights(a, c);
+    weight[r * kMaxSplits + lane] = w.a;
+    weight[r * kMaxSplits + lane + 32] = w.c;
+    if (lane == 0) inv_total[r] = w.total > 0.f ? 1.f / w.total : 0.f;
   }
   __syncthreads();
   const int d = threadIdx.x % kHeadDim;
@@ -550,13 +566,10 @@ __global__ void __launch_bounds__(kCombineThreads) paged_decode_combine_kernel(c
     const int lane = threadIdx.x;
     const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
     const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
-    const float m = warp_max(fmaxf(a, c));
-    const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
-    const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
-    weight[lane] = wa;
-    weight[lane + 32] = wc;
-    const float total = warp_sum(wa + wc);
-    if (lane == 0) inv_total = total > 0.f ? 1.f / total : 0.f;
+    const SplitWeights w = split_weights(a, c);
+    weight[lane] = w.a;
+    weight[lane + 32] = w.c;
+    if (lane == 0) inv_total = w.total > 0.f ? 1.f / w.total : 0.f;
   }
   __syncthreads();
   const int d = threadIdx.x;
@@ -595,16 +608,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
   const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
-  const float m = warp_max(fmaxf(a, c));
-  const float wa = a == -INFINITY ? 0.f : exp2f(a - m);
-  const float wc = c == -INFINITY ? 0.f : exp2f(c - m);
-  const float total = warp_sum(wa + wc);  // every warp the same
+  const SplitWeights sw = split_weights(a, c);  // every warp the same
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int k = 0; k < kPerWarp; ++k) {
     const int s = warp + k * kCWarps;  // the same in all lanes
     if (s < p.num_splits) {
-      const float w = __shfl_sync(0xffffffffu, s < 32 ? wa : wc, s & 31);
+      const float w = __shfl_sync(0xffffffffu, s < 32 ? sw.a : sw.c, s & 31);
       if (w != 0.f) {  // a skipped split's stale row may hold NaN: never multiply it
         acc.x += w * v[k].x;
         acc.y += w * v[k].y;
@@ -620,7 +630,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   float sum = 0.f;
 #pragma unroll
   for (int w = 0; w < kCWarps; ++w) sum += redf[w * kHeadDim + d];
-  static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(total > 0.f ? sum / total : 0.f);
+  static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(sw.total > 0.f ? sum / sw.total : 0.f);
 }
 
 // ---- tuning state -------------------------------------------------------------------------------

@@ -92,12 +92,16 @@ def _abort_unblocks_a_waiting_call(car, bufs):
     torch.ones(1, device="cuda").sum().item()  # the context is healthy (a trap would poison it)
 
 
-def _worker(rank, world, port, variant):
-    os.environ["QWEN3_CAR_VARIANT"] = variant  # read by the extension at its first launch
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _join(rank, world, port, env):
+    """This worker's GPU and process group; env (launch variants) is read by the extension at its
+    first launch, so it is set before anything runs."""
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+
+
+def _worker(rank, world, port, variant):
+    _join(rank, world, port, {"QWEN3_CAR_VARIANT": variant})
     from qwen3_model.distributed import _CustomAllReduce
 
     car = _CustomAllReduce(max(ROWS), max(HIDDENS), torch.bfloat16, torch.device("cuda", rank))
@@ -216,11 +220,7 @@ PUSH_SHAPES = ((4096, 2048), (4096, 6144), (1024, 3072), (12288, 4096))  # (H = 
 
 
 def _push_worker(rank, world, port, gemv_variant):
-    os.environ["QWEN3_GEMV_VARIANT"] = gemv_variant  # read by the extension at its first launch
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    _join(rank, world, port, {"QWEN3_GEMV_VARIANT": gemv_variant})
     from qwen3_model.distributed import _CustomAllReduce
 
     car = _CustomAllReduce(4, max(h for h, _ in PUSH_SHAPES), torch.bfloat16,

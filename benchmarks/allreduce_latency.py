@@ -78,6 +78,51 @@ def _check(all_reduce, rank: int, world: int) -> None:
         raise RuntimeError(f"wrong sum: {x.float().unique().tolist()} instead of {want}")
 
 
+def _push_pairs(car, lib) -> dict:
+    """A row-parallel projection at one token and the all-reduce + norm after it, as a TP-2
+    Qwen3-8B decode step runs them: o_proj (K 2048) and down_proj (K 6144) alternating, 72 pairs,
+    each with its own weight (2.4 GB: streamed from HBM, as in a step). The GEMV (qkv_gemm) then
+    the all-reduce, against the GEMV that sends its row itself (tp_gemv_push) and the pushed
+    all-reduce. Both with the GEMV's pdl_early launch (the TP graphs' choice). Graph replays, us
+    per pair; the two paths' outputs checked equal first."""
+    import qwen3_kernels
+
+    ks = [2048 if i % 2 == 0 else 6144 for i in range(CALLS)]
+    ws = [torch.randn(HIDDEN, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for k in ks]
+    xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in set(ks)}
+    norm_w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ys = [torch.empty(1, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in ks]
+
+    def pairs(push: bool):
+        for i, k in enumerate(ks):
+            y = car.push_linear(xs[k], ws[i]) if push else qwen3_kernels.qkv_gemm(xs[k], ws[i], out=ys[i])
+            car.add_rms_norm(y, res, norm_w, 1e-6)
+        return y
+
+    before = lib.qwen3_gemv_set_variant(2)  # pdl_early
+    try:
+        got = {}
+        for push in (False, True):
+            res.zero_()
+            got[push] = pairs(push).clone()
+        if not torch.equal(got[False], got[True]):
+            raise RuntimeError("the pushed pairs differ from the plain ones")
+        times = {}
+        for name, push in (("GEMV + all-reduce + norm", False), ("pushed GEMV + all-reduce + norm", True)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                pairs(push)
+            g.replay()
+            torch.cuda.synchronize()
+            dist.barrier()
+            times[name] = {1: (_time(g.replay), float("nan"))}
+            del g
+        return times
+    finally:
+        lib.qwen3_gemv_set_variant(before)
+
+
 def _worker(rank: int, world: int, port: int, queue) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -125,6 +170,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
             out[f"custom ({name})"] = {rows: _time_one(car, rows) for rows in ROWS}
             out[f"custom + add_rms_norm ({name})"] = {rows: _time_one(fused, rows) for rows in ROWS}
         lib.qwen3_car_set_variant(0)
+        out.update(_push_pairs(car, lib))
         del car
     except Exception as e:  # noqa: BLE001 - reported, as the one-shot's
         out["custom"] = f"{type(e).__name__}: {e}"

@@ -495,9 +495,10 @@ void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& 
 // counters [2] int32 (device, zeroed at setup); abort_flag [1] int32 in pinned host memory, which
 // the kernel reads over PCIe (its device address from cudaHostGetDevicePointer). Returns the
 // bytes of one slot.
+// abort_flag: nullptr for tp_gemv_push, which never waits
 int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
                                  const at::Tensor& peer_ptrs, const at::Tensor& counters,
-                                 const at::Tensor& abort_flag, int64_t rank, const char* op) {
+                                 const at::Tensor* abort_flag, int64_t rank, const char* op) {
   check_cuda(x, x, op, "x");
   half_dtype(x, op, "x");
   check_dim(x, 2, op, "x");
@@ -522,12 +523,13 @@ int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
   check_contiguous(counters, op, "counters");
   QK_CHECK(counters.dim() == 1 && counters.size(0) == 2, "qwen3_kernels.", op,
            ": counters must be [2] int32, got ", counters.sizes());
-  QK_CHECK(abort_flag.device().is_cpu() && abort_flag.is_pinned() &&
-               abort_flag.scalar_type() == at::kInt && abort_flag.numel() >= 1,
+  QK_CHECK(abort_flag == nullptr ||
+               (abort_flag->device().is_cpu() && abort_flag->is_pinned() &&
+                abort_flag->scalar_type() == at::kInt && abort_flag->numel() >= 1),
            "qwen3_kernels.", op, ": abort_flag must be a pinned CPU int32 tensor of one element "
-           "(torch.zeros(1, dtype=torch.int32, pin_memory=True)), got ", abort_flag.scalar_type(),
-           " ", abort_flag.sizes(), " on ", abort_flag.device(),
-           abort_flag.device().is_cpu() && !abort_flag.is_pinned() ? " (not pinned)" : "");
+           "(torch.zeros(1, dtype=torch.int32, pin_memory=True)), got ", abort_flag->scalar_type(),
+           " ", abort_flag->sizes(), " on ", abort_flag->device(),
+           abort_flag->device().is_cpu() && !abort_flag->is_pinned() ? " (not pinned)" : "");
   const int64_t slot_bytes = buffer.numel() / (2 * world) / 32 * 32;
   QK_CHECK(x.size(0) * x.size(1) * 4 <= slot_bytes, "qwen3_kernels.", op, ": x ", x.sizes(),
            " needs ", x.size(0) * x.size(1) * 4, " bytes per slot, the buffer's slots hold ",
@@ -537,9 +539,11 @@ int64_t check_tp_all_reduce_args(const at::Tensor& x, const at::Tensor& buffer,
 
 void run_tp_all_reduce(at::Tensor& x, at::Tensor* residual, const at::Tensor* weight, double eps,
                        at::Tensor& buffer, const at::Tensor& peer_ptrs, at::Tensor& counters,
-                       const at::Tensor& abort_flag, int64_t rank, const char* op) {
+                       const at::Tensor& abort_flag, int64_t rank, bool pushed, const char* op) {
   const int64_t slot_bytes =
-      check_tp_all_reduce_args(x, buffer, peer_ptrs, counters, abort_flag, rank, op);
+      check_tp_all_reduce_args(x, buffer, peer_ptrs, counters, &abort_flag, rank, op);
+  QK_CHECK(!pushed || x.size(0) == 1, "qwen3_kernels.", op, ": pushed=True needs one row (the ",
+           "row tp_gemv_push sent), got x ", x.sizes());
   if (x.size(0) == 0) return;  // every rank alike: no launch, the call count stays
   const c10::cuda::CUDAGuard guard(x.device());
   void* abort_dev = nullptr;  // the pinned word's address on the device (mapped host memory)
@@ -554,20 +558,21 @@ void run_tp_all_reduce(at::Tensor& x, at::Tensor* residual, const at::Tensor* we
                    static_cast<const int32_t*>(abort_dev), x.size(0),
                    x.size(1), slot_bytes, static_cast<int>(peer_ptrs.numel()),
                    static_cast<int>(rank), residual != nullptr, static_cast<float>(eps),
-                   half_dtype(x, op, "x"), c10::cuda::getCurrentCUDAStream()),
+                   half_dtype(x, op, "x"), c10::cuda::getCurrentCUDAStream(), pushed),
                op);
 }
 
 void tp_all_reduce(at::Tensor& x, at::Tensor& buffer, const at::Tensor& peer_ptrs,
-                   at::Tensor& counters, const at::Tensor& abort_flag, int64_t rank) {
+                   at::Tensor& counters, const at::Tensor& abort_flag, int64_t rank,
+                   bool pushed) {
   run_tp_all_reduce(x, nullptr, nullptr, 0.0, buffer, peer_ptrs, counters, abort_flag, rank,
-                    "tp_all_reduce");
+                    pushed, "tp_all_reduce");
 }
 
 void tp_all_reduce_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                 double eps, at::Tensor& buffer, const at::Tensor& peer_ptrs,
                                 at::Tensor& counters, const at::Tensor& abort_flag,
-                                int64_t rank) {
+                                int64_t rank, bool pushed) {
   const char* op = "tp_all_reduce_add_rms_norm";
   check_norm_args(x, weight, eps, op);
   check_cuda(residual, x, op, "residual");
@@ -578,7 +583,29 @@ void tp_all_reduce_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::T
   QK_CHECK(reinterpret_cast<uintptr_t>(residual.data_ptr()) % 16 == 0 &&
                reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
            "qwen3_kernels.", op, ": residual and weight must start 16-byte aligned");
-  run_tp_all_reduce(x, &residual, &weight, eps, buffer, peer_ptrs, counters, abort_flag, rank, op);
+  run_tp_all_reduce(x, &residual, &weight, eps, buffer, peer_ptrs, counters, abort_flag, rank,
+                    pushed, op);
+}
+
+// tp_gemv_push: a row-parallel projection at one token whose output row also goes straight to the
+// peers' all-reduce buffers (qkv_gemm_gemv.cu); the all-reduce after it runs with pushed=True.
+void tp_gemv_push(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                  at::Tensor& buffer, const at::Tensor& peer_ptrs, const at::Tensor& counters,
+                  int64_t rank) {
+  const char* op = "tp_gemv_push";
+  const DType dt = check_linear_operands(out, x, weight, 1, "N", op);
+  QK_CHECK(x.size(0) == 1, "qwen3_kernels.", op, ": x must be one token [1, K], got ", x.sizes());
+  // the all-reduce's own checks, on the row this call sends (out)
+  const int64_t slot_bytes =
+      check_tp_all_reduce_args(out, buffer, peer_ptrs, counters, nullptr, rank, op);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::tp_gemv_push(
+                   out.data_ptr(), x.data_ptr(), weight.data_ptr(), weight.size(0), x.size(1),
+                   peer_ptrs.data_ptr<int64_t>(),
+                   reinterpret_cast<const uint32_t*>(counters.data_ptr<int32_t>()), slot_bytes,
+                   static_cast<int>(peer_ptrs.numel()), static_cast<int>(rank), dt,
+                   c10::cuda::getCurrentCUDAStream()),
+               op);
 }
 
 }  // namespace
@@ -622,15 +649,23 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
   // x = sum of x over the TP ranks (one-shot over peer memory; buffer [bytes] uint8 this rank's
   // receive buffer, peer_ptrs [world] int64, counters [2] int32: the device-side call count,
   // abort_flag [1] int32 pinned host: set when a peer died, the kernel then stops waiting)
+  // pushed: x's one row was already sent by tp_gemv_push (this call only waits and adds)
   ops.def(
       "tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, "
-      "Tensor abort_flag, int rank) -> ()");
+      "Tensor abort_flag, int rank, bool pushed=False) -> ()");
   ops.impl("tp_all_reduce", torch::kCUDA, &tp_all_reduce);
   // the same, then residual += x; x = rms_norm(residual) (x, residual [T, H]; weight [H])
   ops.def(
       "tp_all_reduce_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
-      "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank) -> ()");
+      "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank, "
+      "bool pushed=False) -> ()");
   ops.impl("tp_all_reduce_add_rms_norm", torch::kCUDA, &tp_all_reduce_add_rms_norm);
+  // out [1, N] = x [1, K] @ weight [N, K]^T, and out's row into the peers' buffers (above) for
+  // the all-reduce's next call, which then runs with pushed=True
+  ops.def(
+      "tp_gemv_push(Tensor! out, Tensor x, Tensor weight, Tensor! buffer, Tensor peer_ptrs, "
+      "Tensor counters, int rank) -> ()");
+  ops.impl("tp_gemv_push", torch::kCUDA, &tp_gemv_push);
 }
 
 // Importable as qwen3_kernels._C; loading it runs the registration above.

@@ -46,11 +46,16 @@ SCHEMAS = {
     ),
     "tp_all_reduce": (
         "tp_all_reduce(Tensor! x, Tensor! buffer, Tensor peer_ptrs, Tensor! counters, "
-        "Tensor abort_flag, int rank) -> ()"
+        "Tensor abort_flag, int rank, bool pushed=False) -> ()"
     ),
     "tp_all_reduce_add_rms_norm": (
         "tp_all_reduce_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
-        "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank) -> ()"
+        "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank, "
+        "bool pushed=False) -> ()"
+    ),
+    "tp_gemv_push": (
+        "tp_gemv_push(Tensor! out, Tensor x, Tensor weight, Tensor! buffer, Tensor peer_ptrs, "
+        "Tensor counters, int rank) -> ()"
     ),
 }
 
@@ -488,8 +493,10 @@ def tp_all_reduce_buffer_bytes(max_rows: int, hidden: int, world: int) -> int:
     return 2 * world * max_rows * hidden * 4
 
 
-def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank):
+def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed=False):
     _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    if pushed and x.shape[0] != 1:
+        _fail(op, f"pushed=True needs the one row tp_gemv_push sent, got x {list(x.shape)}")
     if not (_HAS_CUDA_KERNELS and x.is_cuda and x.dtype in _KERNEL_DTYPES):
         _fail(op, "runs only as the CUDA kernel: x must be a float16 / bfloat16 CUDA tensor and the "
                   f"extension built (got {x.dtype} on {x.device}; extension built: {_HAS_CUDA_KERNELS}); "
@@ -506,11 +513,13 @@ def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank):
         _fail(op, f"rank must be an int in [0, {world}), got {rank!r}")
     _check_tensor(op, "counters", counters, ndim=1, dtype=torch.int32, device=x.device)
     _check_shape(op, "counters", counters, (2,))
-    _check_tensor(op, "abort_flag", abort_flag, ndim=1, dtype=torch.int32, device=torch.device("cpu"))
-    _check_shape(op, "abort_flag", abort_flag, (1,))
-    if not abort_flag.is_pinned():
-        _fail(op, "abort_flag must be in pinned memory (torch.zeros(1, dtype=torch.int32, "
-                  "pin_memory=True)): the kernel reads it while it waits")
+    if abort_flag is not None:  # (None: tp_gemv_push, which never waits)
+        _check_tensor(op, "abort_flag", abort_flag, ndim=1, dtype=torch.int32,
+                      device=torch.device("cpu"))
+        _check_shape(op, "abort_flag", abort_flag, (1,))
+        if not abort_flag.is_pinned():
+            _fail(op, "abort_flag must be in pinned memory (torch.zeros(1, dtype=torch.int32, "
+                      "pin_memory=True)): the kernel reads it while it waits")
     _check_tensor(op, "buffer", buffer, ndim=1, dtype=torch.uint8, device=x.device)
     need = tp_all_reduce_buffer_bytes(t, h, world)
     if buffer.numel() < need:
@@ -519,7 +528,8 @@ def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank):
 
 
 def tp_all_reduce(x: torch.Tensor, buffer: torch.Tensor, peer_ptrs: torch.Tensor,
-                  counters: torch.Tensor, abort_flag: torch.Tensor, rank: int) -> torch.Tensor:
+                  counters: torch.Tensor, abort_flag: torch.Tensor, rank: int,
+                  pushed: bool = False) -> torch.Tensor:
     """In place: x = sum of x over the tensor-parallel ranks (rank order, fp32, rounded to x's
     dtype); every rank gets bit-identical x. A collective: every rank calls it with its x.
 
@@ -531,29 +541,51 @@ def tp_all_reduce(x: torch.Tensor, buffer: torch.Tensor, peer_ptrs: torch.Tensor
     abort_flag [1] int32 in pinned host memory, 0 while all is well: set it to nonzero when a
                peer has died, and this call (and every later one) stops waiting for it and
                returns meaningless sums instead of spinning (or trapping after ~2^26 polls)
+    pushed     True when x [1, H] is the output of ``tp_gemv_push`` with the same buffers, called
+               right before on every rank: the row was sent already, this call only waits and
+               adds. Must be True exactly then (on every rank alike): a pushed call after a plain
+               GEMV waits for rows nobody sends.
     """
     op = "tp_all_reduce"
-    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank)
-    _OPS.tp_all_reduce(x, buffer, peer_ptrs, counters, abort_flag, int(rank))
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed)
+    _OPS.tp_all_reduce(x, buffer, peer_ptrs, counters, abort_flag, int(rank), bool(pushed))
     return x
 
 
 def tp_all_reduce_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     buffer: torch.Tensor, peer_ptrs: torch.Tensor, counters: torch.Tensor,
-    abort_flag: torch.Tensor, rank: int,
+    abort_flag: torch.Tensor, rank: int, pushed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place, one kernel: s = the sum of x over the ranks (as ``tp_all_reduce``);
-    residual += s; x = rms_norm(residual) * weight. residual [T, H] contiguous, weight [H]."""
+    """In place, one kernel: s = the sum of x over the ranks (as ``tp_all_reduce``, ``pushed``
+    included); residual += s; x = rms_norm(residual) * weight. residual [T, H] contiguous, weight
+    [H]."""
     op = "tp_all_reduce_add_rms_norm"
     _check_norm(op, x, weight, eps)
     _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
     _check_shape(op, "residual", residual, x.shape)
     _check_contiguous(op, "residual", residual)
-    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank)
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed)
     _OPS.tp_all_reduce_add_rms_norm(x, residual, weight, float(eps), buffer, peer_ptrs, counters,
-                                    abort_flag, int(rank))
+                                    abort_flag, int(rank), bool(pushed))
     return x, residual
+
+
+def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor,
+                 peer_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """A row-parallel projection at one token: out [1, N] = x [1, K] @ weight [N, K]^T (the GEMV
+    of ``qkv_gemm``), and out's row also sent into slot ``rank`` of every peer's receive buffer
+    for the next ``tp_all_reduce(_add_rms_norm)`` call on these buffers, which must follow with
+    ``pushed=True`` on every rank (N is then its H). Each warp sends its outputs as soon as it has
+    them, so the row's trip over NVLink overlaps the GEMV's tail. CUDA only (peer memory)."""
+    op = "tp_gemv_push"
+    out = _gemm_out(op, x, weight, out, "N", lambda n: n)
+    if x.shape[0] != 1:
+        _fail(op, f"x must be one token [1, K], got {list(x.shape)}")
+    _check_tp_all_reduce(op, out, buffer, peer_ptrs, counters, None, rank)  # it never waits
+    _OPS.tp_gemv_push(out, x, weight, buffer, peer_ptrs, counters, int(rank))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,6 +650,7 @@ _REFERENCE_IMPLS = {
     "sample_tokens": _ref_sample_tokens,
     "tp_all_reduce": _no_peers,
     "tp_all_reduce_add_rms_norm": _no_peers,
+    "tp_gemv_push": _no_peers,
 }
 
 _lib_impl = torch.library.Library("qwen3_kernels", "IMPL")

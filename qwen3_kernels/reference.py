@@ -220,6 +220,13 @@ def qkv_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.float(), weight.float().t()).to(x.dtype)
 
 
+def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K], weight [N, K] -> [1, N]: this rank's output, qkv_gemm's. What the op also sends
+    to the peers is this row; their all-reduce (pushed) then gives tp_all_reduce of the ranks'
+    rows, as without the push."""
+    return qkv_gemm(x, weight)
+
+
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K], weight [2I, K] -> [T, I] = silu_and_mul(qkv_gemm(x, weight)): the product is
     rounded to x's dtype before the activation, as the unfused pair would round it."""

@@ -96,6 +96,28 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     return qwen3_kernels.fused_add_rms_norm(all_reduce(x), residual, weight, eps)
 
 
+# ---- experiment: the projection's GEMV sends its row itself (QWEN3_TP_PUSH) --------------------
+#
+# At one token (batch-1 decode), o_proj's and down_proj's GEMV can store its output row straight
+# into the peers' receive buffers of our all-reduce (qwen3_kernels.tp_gemv_push), each warp as soon
+# as its outputs are summed; the all-reduce + norm after it then only waits and adds (pushed=True).
+# The row's NVLink trip overlaps the GEMV's tail instead of following the all-reduce's start.
+# Unmeasured (branch experiment/tp-push); QWEN3_TP_PUSH=0 turns it off.
+TP_PUSH = os.environ.get("QWEN3_TP_PUSH", "1") != "0"
+
+
+def push_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [1, K] @ weight [H, K]^T through tp_gemv_push, when our all-reduce is on and takes
+    [1, H]; the next all-reduce of the result (``all_reduce_add_rms_norm`` / ``all_reduce``) then
+    runs pushed. None when it does not apply: the caller runs its own linear."""
+    if not (TP_PUSH and get_tp_world_size() > 1 and _CUSTOM is not None and x.is_cuda
+            and x.dim() == 2 and x.shape[0] == 1 and x.dtype == _CUSTOM.dtype
+            and weight.dtype == x.dtype and weight.shape[0] == _CUSTOM.hidden
+            and weight.shape[1] % 8 == 0 and weight.is_contiguous()):
+        return None
+    return _CUSTOM.push_linear(x.contiguous(), weight)
+
+
 # ---- opt-in: one-shot all-reduce over torch's symmetric memory (P2P loads, no multicast) ----------
 #
 # NCCL takes 12.4 us per all-reduce of a [1, 4096] bf16 row between two H200s even inside a CUDA
@@ -218,6 +240,7 @@ class _CustomAllReduce:
         torch.cuda.synchronize(device)
         dist.barrier()
         self.max_rows, self.hidden, self.dtype, self.rank = max_rows, hidden, dtype, rank
+        self.pushed: torch.Tensor | None = None  # the row push_linear sent, until its all-reduce
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.is_cuda and x.dim() == 2 and x.is_contiguous()
@@ -227,14 +250,35 @@ class _CustomAllReduce:
         import qwen3_kernels
 
         return qwen3_kernels.tp_all_reduce(x, self.buf, self.peer_ptrs, self.counters,
-                                           self.abort_flag, self.rank)
+                                           self.abort_flag, self.rank, self._take_pushed(x))
 
     def add_rms_norm(self, x, residual, weight, eps):
         import qwen3_kernels
 
         return qwen3_kernels.tp_all_reduce_add_rms_norm(
             x, residual, weight, eps, self.buf, self.peer_ptrs, self.counters, self.abort_flag,
-            self.rank)
+            self.rank, self._take_pushed(x))
+
+    def push_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        import qwen3_kernels
+
+        if self.pushed is not None:
+            raise RuntimeError("tp_gemv_push: the previous pushed row was never all-reduced")
+        out = qwen3_kernels.tp_gemv_push(x, weight, self.buf, self.peer_ptrs, self.counters,
+                                         self.rank)
+        self.pushed = out
+        return out
+
+    def _take_pushed(self, x: torch.Tensor) -> bool:
+        """Whether this all-reduce is of the row the last push_linear sent (then it runs pushed).
+        Any other all-reduce in between would reuse the pushed call's buffer slots: an error."""
+        pushed, self.pushed = self.pushed, None
+        if pushed is None:
+            return False
+        if pushed is not x:
+            raise RuntimeError("our all-reduce: a pushed row (tp_gemv_push) must be the very next "
+                               "all-reduce on these buffers; got another tensor first")
+        return True
 
     def abort(self) -> None:
         """A peer died: the waiting kernel (and every later one) returns instead of spinning.

@@ -69,6 +69,20 @@ def test_wrappers_refuse_cpu_with_a_clear_error():
                                                  a["abort_flag"], 0)
 
 
+def test_gemv_push_refuses_cpu_and_more_than_one_token():
+    a = _args(t=1)
+    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
+    bufs = (a["buffer"], a["peer_ptrs"], a["counters"], 0)
+    with pytest.raises(ValueError, match="qwen3_kernels.tp_gemv_push: runs only as the CUDA kernel"):
+        qwen3_kernels.tp_gemv_push(x, w, *bufs)
+    with pytest.raises(ValueError, match="tp_gemv_push: x must be one token"):
+        qwen3_kernels.tp_gemv_push(torch.zeros(2, 64, dtype=torch.bfloat16), w, *bufs)
+    with pytest.raises(ValueError, match="pushed=True needs the one row"):
+        qwen3_kernels.tp_all_reduce(**{**_args(t=2), "pushed": True})
+    with pytest.raises(RuntimeError, match="needs the CUDA extension and CUDA peers"):
+        torch.ops.qwen3_kernels.tp_gemv_push(torch.zeros(1, 64, dtype=torch.bfloat16), x, w, *bufs)
+
+
 def test_raw_op_on_cpu_says_it_needs_peers():
     a = _args()
     with pytest.raises(RuntimeError, match="needs the CUDA extension and CUDA peers"):

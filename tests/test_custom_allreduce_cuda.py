@@ -92,12 +92,16 @@ def _abort_unblocks_a_waiting_call(car, bufs):
     torch.ones(1, device="cuda").sum().item()  # the context is healthy (a trap would poison it)
 
 
-def _worker(rank, world, port, variant):
-    os.environ["QWEN3_CAR_VARIANT"] = variant  # read by the extension at its first launch
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _join(rank, world, port, env):
+    """This worker's GPU and process group; env (launch variants) is read by the extension at its
+    first launch, so it is set before anything runs."""
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+
+
+def _worker(rank, world, port, variant):
+    _join(rank, world, port, {"QWEN3_CAR_VARIANT": variant})
     from qwen3_model.distributed import _CustomAllReduce
 
     car = _CustomAllReduce(max(ROWS), max(HIDDENS), torch.bfloat16, torch.device("cuda", rank))
@@ -208,3 +212,127 @@ def _worker(rank, world, port, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_custom_allreduce_two_gpus(variant):
     mp.spawn(_worker, args=(WORLD, free_port(), variant), nprocs=WORLD, join=True)
+
+
+# ---- tp_gemv_push: the projection's GEMV sends its row, the all-reduce runs pushed ------------
+
+PUSH_SHAPES = ((4096, 2048), (4096, 6144), (1024, 3072), (12288, 4096))  # (H = N, K); 12288: 4 rows a warp
+
+
+def _push_worker(rank, world, port, gemv_variant):
+    _join(rank, world, port, {"QWEN3_GEMV_VARIANT": gemv_variant})
+    from qwen3_model.distributed import _CustomAllReduce
+
+    car = _CustomAllReduce(4, max(h for h, _ in PUSH_SHAPES), torch.bfloat16,
+                           torch.device("cuda", rank))
+    bufs = (car.buf, car.peer_ptrs, car.counters, car.abort_flag, rank)
+    push_bufs = (car.buf, car.peer_ptrs, car.counters, rank)
+
+    def operands(seed, h, k, dtype):
+        # every rank's x [1, K] and weight [H, K] (this rank's shard), residual and norm weight
+        g = torch.Generator().manual_seed(seed)
+        xs = torch.randn(world, 1, k, generator=g).to(dtype)
+        ws = (torch.randn(world, h, k, generator=g) * k**-0.5).to(dtype)
+        residual = (2 * torch.randn(1, h, generator=g)).to(dtype)
+        nw = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+        return xs[rank].cuda(), ws[rank].cuda(), residual.cuda(), nw.cuda()
+
+    try:
+        # 1. pushed == plain, bit for bit: the GEMV's out, the sum, the residual, the norm; calls
+        # alternating pushed / plain without a host sync (the count and the halves advance alike)
+        seed, results = 0, []
+        for dtype in DTYPES:
+            for h, k in PUSH_SHAPES:
+                for norm in (True, False):
+                    seed += 1
+                    x, w, residual, nw = operands(seed, h, k, dtype)
+                    out = torch.full((1, h), float("nan"), dtype=dtype, device="cuda")
+                    qwen3_kernels.tp_gemv_push(x, w, *push_bufs, out=out)
+                    plain = qwen3_kernels.qkv_gemm(x, w)  # the same GEMV, no push
+                    pushed_out = out.clone()
+                    res = residual.clone()
+                    if norm:
+                        qwen3_kernels.tp_all_reduce_add_rms_norm(out, res, nw, EPS, *bufs, pushed=True)
+                    else:
+                        qwen3_kernels.tp_all_reduce(out, *bufs, pushed=True)
+                    want = plain.clone()
+                    res2 = residual.clone()
+                    if norm:
+                        qwen3_kernels.tp_all_reduce_add_rms_norm(want, res2, nw, EPS, *bufs)
+                    else:
+                        qwen3_kernels.tp_all_reduce(want, *bufs)
+                    results.append((f"{gemv_variant} {dtype} H={h} K={k} norm={norm}",
+                                    pushed_out, plain, out, want, res, res2))
+        torch.cuda.synchronize()
+        for what, pushed_out, plain, out, want, res, res2 in results:
+            assert torch.equal(pushed_out.view(torch.int16), plain.view(torch.int16)), f"{what}: GEMV out"
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"{what}: x"
+            assert torch.equal(res.view(torch.int16), res2.view(torch.int16)), f"{what}: residual"
+            _same_on_all_ranks(out, what)
+
+        # 2. a CUDA graph: push, pushed all-reduce + norm, then a plain GEMV and all-reduce + norm,
+        # replayed with new inputs against the same ops run eagerly without the push
+        h, k = 4096, 2048
+        sx = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+        sw = torch.zeros(h, k, dtype=torch.bfloat16, device="cuda")
+        sres = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
+        snw = torch.ones(h, dtype=torch.bfloat16, device="cuda")
+        sout = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
+        sw2 = torch.zeros(h, h, dtype=torch.bfloat16, device="cuda")
+        sout2 = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                qwen3_kernels.tp_gemv_push(sx, sw, *push_bufs, out=sout)
+                qwen3_kernels.tp_all_reduce_add_rms_norm(sout, sres, snw, EPS, *bufs, pushed=True)
+                qwen3_kernels.qkv_gemm(sout, sw2, out=sout2)
+                qwen3_kernels.tp_all_reduce_add_rms_norm(sout2, sres, snw, EPS, *bufs)
+        torch.cuda.current_stream().wait_stream(stream)
+        for rep in range(100):
+            x, w, residual, nw = operands(7000 + rep, h, k, torch.bfloat16)
+            w2 = operands(9000 + rep, h, h, torch.bfloat16)[1]
+            sx.copy_(x); sw.copy_(w); sres.copy_(residual); snw.copy_(nw); sw2.copy_(w2)
+            g.replay()
+            if rep % 10 == 0 or rep > 95:
+                y = qwen3_kernels.qkv_gemm(x, w)
+                r = residual.clone()
+                qwen3_kernels.tp_all_reduce_add_rms_norm(y, r, nw, EPS, *bufs)
+                y2 = qwen3_kernels.qkv_gemm(y, w2)
+                qwen3_kernels.tp_all_reduce_add_rms_norm(y2, r, nw, EPS, *bufs)
+                torch.cuda.synchronize()
+                assert torch.equal(sout2.view(torch.int16), y2.view(torch.int16)), f"graph replay {rep}"
+                assert torch.equal(sres.view(torch.int16), r.view(torch.int16)), f"graph replay {rep} residual"
+                _same_on_all_ranks(sout2, f"graph replay {rep}")
+        torch.cuda.synchronize()
+        del g
+
+        # 3. bad input: clear errors before any launch, on every rank alike
+        x, w, _, _ = operands(1, 4096, 2048, torch.bfloat16)
+        with pytest.raises(ValueError, match="one token"):
+            qwen3_kernels.tp_gemv_push(torch.cat([x, x]), w, *push_bufs)
+        with pytest.raises(ValueError, match="pushed=True needs the one row"):
+            qwen3_kernels.tp_all_reduce(torch.zeros(2, 4096, dtype=torch.bfloat16, device="cuda"),
+                                        *bufs, pushed=True)
+        with pytest.raises(ValueError, match="inner dims"):
+            qwen3_kernels.tp_gemv_push(x, w[:, :1024].contiguous(), *push_bufs)
+
+        # 4. the engine's pairing (_CustomAllReduce): a pushed row must be the next all-reduce.
+        # Last: a refused pairing leaves the pushed packets in the buffers.
+        y = car.push_linear(x, w)
+        with pytest.raises(RuntimeError, match="never all-reduced"):
+            car.push_linear(x, w)
+        with pytest.raises(RuntimeError, match="must be the very next all-reduce"):
+            car(torch.zeros_like(y))
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        del car, bufs, push_bufs
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("gemv_variant", ("auto", "pdl_early"))
+def test_gemv_push_two_gpus(gemv_variant):
+    mp.spawn(_push_worker, args=(WORLD, free_port(), gemv_variant), nprocs=WORLD, join=True)

@@ -42,6 +42,16 @@
 // come after B's reads of call c. Stale packets of call c - 2 in a half carry flag c - 1 != c + 1.
 // Calls with 0 rows launch nothing and advance nothing, on every rank alike.
 //
+// Pushed calls (pushed = true, one row; experiment): the GEMV before (tp_gemv_push,
+// qkv_gemm_gemv.cu) already stored this rank's row into the peers' buffers, each warp as soon as
+// its outputs were summed, so the row's NVLink trip overlaps the GEMV's tail instead of following
+// this kernel's start; this kernel skips its own push and only waits, adds and normalises. The
+// GEMV reads the count after its PDL wait, when every earlier call has finished (so it reads c),
+// and this call reads and advances it only after the GEMV has finished (its own wait): both agree
+// on c. The reuse argument above holds with "B writes those at the start of its call c + 1"
+// replaced by "B's GEMV before call c + 1 writes those", which runs after B's call c finished
+// (stream order through the kernels between them, each waiting on the one before).
+//
 // Deadlock freedom: a CTA first writes all of its rows to every peer, then waits. The grid is at
 // most one CTA per SM, so every CTA of a rank can be resident; each one's writes never wait on
 // anything, hence every awaited packet is eventually written. A dead peer never writes:
@@ -139,7 +149,7 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
                      uint32_t* counters,                 // [2]: call count, CTAs finished
                      const int32_t* abort_flag,          // [1] host (mapped): != 0 = stop waiting
                      int64_t rows, int64_t hidden, int64_t slot_bytes, int world, int rank,
-                     float eps) {
+                     float eps, bool pushed) {
   if constexpr (kPdl) {
     // Nothing (not even the call count) is touched before the previous kernel has finished: it
     // may be this op's previous call, whose last CTA advances the count.
@@ -181,7 +191,8 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
   const int64_t my_slot = (half * world + rank) * slot_bytes;
 
   // ---- 1. push this rank's rows into slot `rank` of every peer's buffer ----------------------
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  // (pushed: the projection before, tp_gemv_push, already did, with this call's flag)
+  for (int64_t row = blockIdx.x; !pushed && row < rows; row += gridDim.x) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       const int idx = threadIdx.x + j * blockDim.x;
@@ -315,9 +326,10 @@ tp_all_reduce_kernel(T* __restrict__ x,                  // [rows, H] contiguous
 cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int64_t* peer_ptrs,
                           uint32_t* counters, const int32_t* abort_flag, int64_t num_tokens,
                           int64_t hidden, int64_t slot_bytes, int world, int rank,
-                          bool add_rms_norm, float eps, DType dtype, cudaStream_t stream) {
+                          bool add_rms_norm, float eps, DType dtype, cudaStream_t stream,
+                          bool pushed) {
   if (num_tokens == 0) return cudaSuccess;
-  if (abort_flag == nullptr) return cudaErrorInvalidValue;
+  if (abort_flag == nullptr || (pushed && num_tokens != 1)) return cudaErrorInvalidValue;
   const int64_t nvec = hidden / 8;
   if (world < 2 || world > kMaxWorld || rank < 0 || rank >= world || hidden <= 0 ||
       hidden % 8 != 0 || nvec > int64_t{kMaxVecsPerThread} * 1024 || slot_bytes % 32 != 0 ||
@@ -340,11 +352,11 @@ cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int
       if (pdl) {
         return launch_ex(tp_all_reduce_kernel<T, N, V, true>, grid, dim3(threads), stream, true, 1,
                          xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden,
-                         slot_bytes, world, rank, eps);
+                         slot_bytes, world, rank, eps, pushed);
       }
       tp_all_reduce_kernel<T, N, V, false><<<grid, threads, 0, stream>>>(
           xi, res, wi, peer_ptrs, counters, abort_flag, num_tokens, hidden, slot_bytes, world,
-          rank, eps);
+          rank, eps, pushed);
       return cudaGetLastError();
     };
     auto by_vecs = [&](auto knorm) -> cudaError_t {

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qwen3_kernels
-from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
+from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size, push_linear
 
 # Which GEMM runs a projection on CUDA (bf16 / fp16): our qkv_gemm op where benchmarks/bench_qkv_gemm.py
 # measured it faster than cuBLAS on the H200, cuBLAS (F.linear) everywhere else.
@@ -237,6 +237,11 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce_results and self.bias is None and _runs_our_gemm(x, self.weight, False):
+            # one token, our all-reduce on: the GEMV sends its row to the peers itself
+            y = push_linear(x, self.weight) if x.shape[0] == 1 else None
+            if y is not None:
+                return y
         y = linear(x, self.weight)
         if not self.reduce_results:
             return y + self.bias if self.bias is not None and self.tp_rank == 0 else y

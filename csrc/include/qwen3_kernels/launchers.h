@@ -102,6 +102,21 @@ cudaError_t linear_silu_and_mul(void* out,      // [M, I]
                                 int64_t m, int64_t two_i, int64_t k, DType dtype,
                                 cudaStream_t stream);
 
+// The GEMV at one token that also sends its output row to the tensor-parallel peers (a
+// row-parallel projection before the all-reduce): out = x @ w^T, and out's row, as LL packets,
+// into slot `rank` of every peer's tp_all_reduce receive buffer for the all-reduce's next call,
+// which must then run with pushed = true (it no longer sends this rank's row itself).
+// cudaErrorInvalidValue when the sizes do not fit (world 2..8, n * 4 <= slot_bytes);
+// cudaErrorNotSupported where the GEMV cannot run (N, K % 8, dtype).
+cudaError_t tp_gemv_push(void* out,                  // [1, N]
+                         const void* x,              // [1, K]
+                         const void* w,              // [N, K]
+                         int64_t n, int64_t k,
+                         const int64_t* peer_ptrs,   // [world] device: every rank's receive buffer
+                         const uint32_t* counters,   // [2] device: the all-reduce's call count
+                         int64_t slot_bytes, int world, int rank, DType dtype,
+                         cudaStream_t stream);
+
 // ---- custom_all_reduce.cu --------------------------------------------------------------------
 // One-shot tensor-parallel all-reduce over peer (NVLink) memory: s = sum over ranks of x in rank
 // order (fp32, rounded to the dtype); add_rms_norm: residual += s, x = rms_norm(residual) * weight,
@@ -118,7 +133,8 @@ cudaError_t tp_all_reduce(void* x,                   // [T, H] contiguous, 16-by
                           int64_t num_tokens, int64_t hidden,
                           int64_t slot_bytes,        // bytes of one (half, rank) slot of a buffer
                           int world, int rank, bool add_rms_norm, float eps, DType dtype,
-                          cudaStream_t stream);
+                          cudaStream_t stream,
+                          bool pushed = false);      // x's rows were sent by tp_gemv_push (T = 1)
 
 // ---- sample.cu --------------------------------------------------------------------------------
 // out[r] = argmax_i score[r, i] (ties: lowest i), score = logits / T - log(E), E ~ Exp(1) from the

@@ -119,23 +119,44 @@ __device__ __forceinline__ void load_stage(uint4 (&buf)[R][U], const T* const (&
   }
 }
 
+// Where a one-token GEMV also sends its output (tp_gemv_push): every peer's receive buffer of the
+// one-shot all-reduce (custom_all_reduce.cu), in that kernel's layout and LL packets, as the
+// all-reduce itself would send the row. The all-reduce that follows then only waits and adds.
+struct PushTarget {
+  const int64_t* peer_ptrs;  // [world]: each rank's receive buffer
+  const uint32_t* counters;  // [2]: the all-reduce's call count (read here, advanced there)
+  int64_t slot_bytes;
+  int world, rank;
+};
+
+// One aligned 8-byte LL packet (custom_all_reduce.cu): 4 data bytes, then the 4-byte flag.
+__device__ __forceinline__ void store_packet_sys(char* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.b64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+}
+
 // Grid ceil(n / (4 R)) CTAs of 4 warps; warp w of CTA b owns rows (4 b + w) R .. + R - 1.
 // kPdl: launched with PDL; nothing is read before the previous kernel has finished.
 // kSilu (linear_silu_and_mul): w is [gate; up], n = 2 I rows, out is [m, I] = silu(g) * u. A warp
 // owns P = R / 2 output columns j0 .. j0 + P - 1 and streams gate rows j0.. and up rows I + j0..,
 // so both factors of an output meet in one warp's registers and the [m, 2 I] product is never
 // written. Grid ceil(I / (4 P)).
-template <typename T, int NT, int R, bool kPdl, bool kSilu, bool kEarly = false>
+// kPush (tp_gemv_push; one token, R even): lanes 1 .. world - 1 also store the warp's R outputs,
+// R / 2 packets, into slot `rank` of the peers' receive buffers, flagged with the all-reduce's
+// next call. The count is read after the PDL wait: the kernel before has finished, and with it
+// every earlier all-reduce (each advanced the count before it finished).
+template <typename T, int NT, int R, bool kPdl, bool kSilu, bool kEarly = false, bool kPush = false>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(T* __restrict__ out,        // [m, n], or [m, n / 2] (kSilu)
                 const T* __restrict__ x,    // [m, k], m <= NT
                 const T* __restrict__ w,    // [n, k]
-                int m, int n, int k) {
+                int m, int n, int k, PushTarget push) {
   constexpr int U = kLoadsPerStage / R;  // slices per row per stage
   constexpr int kStep = U * kSlice;      // columns per stage
   constexpr int P = kSilu ? R / 2 : R;   // output columns per warp
   static_assert(NT * R <= 32, "one lane stores each (token, row) result");
   static_assert(!kSilu || R % 2 == 0, "kSilu pairs gate and up rows");
+  static_assert(!kPush || (NT == 1 && !kSilu && R % 2 == 0 && R <= 4),
+                "kPush: one token, whole packets of two outputs");
 
   if constexpr (kPdl && !kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input
@@ -199,6 +220,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Every lane ends with every sum (xor butterfly); lane t P + r stores (token t, column j0 + r).
+  [[maybe_unused]] T pushed[kPush ? R : 1];  // kPush: the outputs as stored, for the packets
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
 #pragma unroll
@@ -213,12 +235,34 @@ __global__ void __launch_bounds__(kThreads)
       }
       if (lane == t * P + r && t < m)
         out[static_cast<int64_t>(t) * n_out + j0 + r] = from_float<T>(s);
+      if constexpr (kPush) pushed[r] = from_float<T>(s);
+    }
+  }
+  if constexpr (kPush) {
+    if (lane >= 1 && lane < push.world) {
+      const uint32_t call = *reinterpret_cast<const volatile uint32_t*>(push.counters);
+      const uint32_t flag = call + 1u;  // the all-reduce's flag for this call (never 0)
+      const int peer = push.rank + lane < push.world ? push.rank + lane
+                                                     : push.rank + lane - push.world;
+      // slot `rank` of half (call & 1); outputs j0, j0 + 1 are the packet at byte 4 j0
+      char* dst = reinterpret_cast<char*>(push.peer_ptrs[peer]) +
+                  (static_cast<int64_t>(call & 1u) * push.world + push.rank) * push.slot_bytes +
+                  static_cast<int64_t>(j0) * 4;
+#pragma unroll
+      for (int q = 0; q < R / 2; ++q) {
+        uint32_t word;
+        T* pair = reinterpret_cast<T*>(&word);
+        pair[0] = pushed[2 * q];
+        pair[1] = pushed[2 * q + 1];
+        store_packet_sys(dst + 8 * q, static_cast<uint64_t>(word) |
+                                          (static_cast<uint64_t>(flag) << 32));
+      }
     }
   }
 }
 
-template <typename T, int NT, int R, bool kSilu>
-cudaError_t launch(const Problem& p) {
+template <typename T, int NT, int R, bool kSilu, bool kPush = false>
+cudaError_t launch(const Problem& p, PushTarget push = {}) {
   const int64_t cols_per_cta = static_cast<int64_t>(kWarps) * (kSilu ? R / 2 : R);
   const int64_t n_out = kSilu ? p.n / 2 : p.n;
   const dim3 grid(static_cast<unsigned>((n_out + cols_per_cta - 1) / cols_per_cta));
@@ -229,11 +273,12 @@ cudaError_t launch(const Problem& p) {
   const T* w = static_cast<const T*>(p.w);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
   if (pdl) {  // the two PDL kernels differ only in where the wait sits
-    auto* kernel = variant == kPdlEarly ? gemv_kernel<T, NT, R, true, kSilu, true>
-                                        : gemv_kernel<T, NT, R, true, kSilu, false>;
-    return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, m, n, k);
+    auto* kernel = variant == kPdlEarly ? gemv_kernel<T, NT, R, true, kSilu, true, kPush>
+                                        : gemv_kernel<T, NT, R, true, kSilu, false, kPush>;
+    return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, m, n, k, push);
   }
-  gemv_kernel<T, NT, R, false, kSilu><<<grid, kThreads, 0, p.stream>>>(out, x, w, m, n, k);
+  gemv_kernel<T, NT, R, false, kSilu, false, kPush><<<grid, kThreads, 0, p.stream>>>(
+      out, x, w, m, n, k, push);
   return cudaGetLastError();
 }
 
@@ -296,6 +341,32 @@ cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp) {
 }  // namespace qwen3_kernels::qkv_gemm_detail
 
 namespace qwen3_kernels {
+
+cudaError_t tp_gemv_push(void* out, const void* x, const void* w, int64_t n, int64_t k,
+                         const int64_t* peer_ptrs, const uint32_t* counters, int64_t slot_bytes,
+                         int world, int rank, DType dtype, cudaStream_t stream) {
+  using namespace qkv_gemm_detail;
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
+  if (world < 2 || world > 8 || rank < 0 || rank >= world || n * 4 > slot_bytes ||
+      peer_ptrs == nullptr || counters == nullptr)
+    return cudaErrorInvalidValue;
+  Problem p{};
+  p.out = out;
+  p.x = x;
+  p.w = w;
+  p.m = 1;
+  p.n = n;
+  p.k = k;
+  p.stream = stream;
+  if (!gemv_fits(p)) return cudaErrorNotSupported;
+  const PushTarget push{peer_ptrs, counters, slot_bytes, world, rank};
+  // 2 or 4 rows a warp (never 1 at one token): whole packets
+  const bool four = gemv_default_rows_per_warp(1, n) == 4;
+  if (dtype == DType::kBFloat16)
+    return four ? launch<__nv_bfloat16, 1, 4, false, true>(p, push)
+                : launch<__nv_bfloat16, 1, 2, false, true>(p, push);
+  return four ? launch<__half, 1, 4, false, true>(p, push) : launch<__half, 1, 2, false, true>(p, push);
+}
 
 cudaError_t linear_silu_and_mul(void* out, const void* x, const void* w, int64_t m, int64_t two_i,
                                 int64_t k, DType dtype, cudaStream_t stream) {

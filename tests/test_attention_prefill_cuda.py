@@ -12,7 +12,8 @@ NaN-poisoned before the call, so every element must be written.
 On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu, no ping-pong);
 QWEN3_PREFILL_NO_WGMMA=1 selects the portable mma.sync kernel (prefill.cu),
 QWEN3_PREFILL_VARIANT=sm90 the single-role wgmma kernel (prefill_sm90.cu), ws|ws3 the
-warp-specialised one with ping-pong. The `kernel_path` fixture runs each test on every path.
+warp-specialised one with ping-pong (2 / 3 stages), ws3_nopp with 3 stages and no ping-pong. The
+`kernel_path` fixture runs each test on every path.
 """
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ def check_against_reference(case, ours):
 # (prefill_sm90.cu); ws, ws3: the warp-specialised kernel with ping-pong (2 / 3 stages); chosen by
 # QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync run the
 # default kernel.
-KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws3"]
+KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws3", "ws3_nopp"]
 
 
 @pytest.fixture(params=KERNEL_PATHS)
@@ -184,7 +185,7 @@ def kernel_path(request, monkeypatch):
         monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
     else:
         monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
-    if request.param in ("sm90", "ws", "ws3"):
+    if request.param in ("sm90", "ws", "ws3", "ws3_nopp"):
         monkeypatch.setenv("QWEN3_PREFILL_VARIANT", request.param)
     else:
         monkeypatch.delenv("QWEN3_PREFILL_VARIANT", raising=False)

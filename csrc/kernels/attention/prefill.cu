@@ -359,7 +359,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   // The default is the warp-specialised kernel without ping-pong (prefill_sm90_ws.cu): on the
   // H200 (2026-11-30, bench_attention_prefill.py) it took 0.92-0.96x the time of the single-role
   // wgmma kernel on every case, and ws / ws3 (with ping-pong) 1.00-1.07x.
-  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp | sm90 picks one; anything else: the default.
+  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp | ws3_nopp | sm90 picks one; anything else: the default.
   // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
   if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
@@ -377,6 +377,9 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
       if (std::strcmp(variant, "ws_nopp") == 0)
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                        prefill::WsVariant::kNoPingpong, stream);
+      if (std::strcmp(variant, "ws3_nopp") == 0)
+        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+                                       prefill::WsVariant::kStages3NoPingpong, stream);
     }
     return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, prefill::WsVariant::kNoPingpong,
                                    stream);

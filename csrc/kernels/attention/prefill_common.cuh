@@ -44,7 +44,7 @@ cudaError_t launch_sm90(const PrefillParams& p, int batch, int max_seqlen_q, DTy
 // The warp-specialised wgmma kernel (prefill_sm90_ws.cu), chosen by QWEN3_PREFILL_VARIANT while it
 // is measured against the default: ws = 2-stage K/V ring with ping-pong, ws3 = 3 stages,
 // ws_nopp = 2 stages without ping-pong. cudaErrorNotSupported where sm90_available() is false.
-enum class WsVariant { kStages2, kStages3, kNoPingpong };
+enum class WsVariant { kStages2, kStages3, kNoPingpong, kStages3NoPingpong };
 cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
                            WsVariant variant, cudaStream_t stream);
 

@@ -2,7 +2,7 @@
 // work split, tile layouts and wgmma descriptors as prefill_sm90.cu (read its header first);
 // what changes is who does what and how they synchronise. Selected by QWEN3_PREFILL_VARIANT
 // (prefill.cu): "ws" = 2-stage K/V ring with ping-pong, "ws3" = 3 stages, "ws_nopp" = 2 stages
-// without ping-pong. sm_90a only.
+// without ping-pong, "ws3_nopp" = 3 stages without. sm_90a only.
 //
 // CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128.
 //   WG 0, producer (setmaxnreg down to 40): copies Q once, then K(0), V(0), K(1), V(1), ... into a
@@ -195,7 +195,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
-  uint32_t p_frag[kBlockN / 16][4];  // P of the previous tile, the A operand of its P V
+  // P of tile n (bf16 / fp16 pairs: the register A operand of its P V) lives in p_buf[n % 2]:
+  // the softmax of tile n packs its P while P(n-1) V(n-1) still reads the other buffer. With one
+  // buffer ptxas must wait for that P V before the first pack, and its scheduler interleaves the
+  // packs with the exponentials, so the wait moved above the whole softmax and the softmax no
+  // longer overlapped the P V (H200 profile, 2026-11-30).
+  uint32_t p_buf[2][kBlockN / 16][4];
 
   // S = Q K^T for this warpgroup's 64 rows x 128 keys (8 k-steps over D; Q and K K-major).
   auto issue_s = [&](float (&s)[64], uint32_t k_slot) {
@@ -209,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
     }
   };
   // O += P V (8 k-steps over the keys; V read MN-major).
-  auto issue_pv = [&](uint32_t v_slot) {
+  auto issue_pv = [&](const uint32_t (&p_frag)[kBlockN / 16][4], uint32_t v_slot) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       wgmma_m64n128k16_rs<T>(o, p_frag[kk],
@@ -252,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
     }
   };
   // Two adjacent n8 accumulator tiles form the register A operand of one k16 step.
-  auto pack_p = [&](const float (&s)[64]) {
+  auto pack_p = [&](const float (&s)[64], uint32_t (&p_frag)[kBlockN / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       p_frag[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -269,6 +274,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
   // Every thread waits for Q itself (also before the output reuses its space below).
   mbar_wait(bar_q, 0);
 
+  // alpha of the last tile whose softmax ran: o is rescaled by it once the P V before has landed.
+  float alpha[2] = {1.f, 1.f};
   // Tile 0: S(0) alone (o is still zero: nothing to rescale, no P V yet).
   if (n_tiles > 0) {
     if (kPingpong) named_bar_sync(my_turn, 256);
@@ -282,42 +289,27 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
     wgmma_wait<0>();
     fence_regs(s);
     if (lane == 0) mbar_arrive(bar_k_empty);  // this warp is done with K(0)
-    float alpha[2];
     softmax(s, 0, alpha);
-    pack_p(s);
+    pack_p(s, p_buf[0]);
   }
 
-  // Iteration n issues S(n) = Q K(n)^T and O += P(n-1) V(n-1), waits for S(n) only and runs the
-  // softmax of tile n while P V runs; O is rescaled by tile n's alpha once P(n-1) V(n-1) landed.
-  // Both waits come before wgmma.fence so nothing but wgmmas sits between it and the last issue.
+  // Iteration n waits for P(n-2) V(n-2) and rescales o by tile n-1's alpha, issues S(n) = Q K(n)^T
+  // and O += P(n-1) V(n-1), waits for S(n) only and runs the softmax of tile n while P V runs.
+  // The wait for P V sits in the next iteration, behind the K / V barrier waits (each a loop, so
+  // a basic block of its own): ptxas hoists a wgmma wait over independent ALU work in its block,
+  // and in the softmax's block it moved above the whole softmax, so P V and the softmax never
+  // overlapped (H200 profile and SASS, 2026-11-30). For the same reason P alternates between two
+  // register buffers: P(n) is packed while P(n-1) V(n-1) still reads the other one.
   int stage = 1 % kStages;  // slot of K(n)
   uint32_t parity = kStages == 1 ? 1u : 0u;  // (n / kStages) & 1
   int prev_stage = 0;  // slot of V(n - 1)
   uint32_t prev_parity = 0;
-  for (int n = 1; n < n_tiles; ++n) {
-    if (kPingpong) named_bar_sync(my_turn, 256);
-    mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);  // issued before K(n): usually landed
-    mbar_wait(bar_k_full + 8 * stage, parity);
-    fence_proxy_async();
-    float s[64];
+  int pp_stage = -1;  // slot of V(n - 2), whose P V is the one in flight (-1: none)
+  // Waits for the P V in flight, frees its V slot and rescales o by the last softmax's alpha.
+  auto retire_pv = [&]() {
+    wgmma_wait<0>();
     fence_regs(o);
-    fence_regs(p_frag);
-    wgmma_fence();  // o and p_frag were written by ordinary instructions
-    issue_s(s, s_k + stage * kTileBytes);
-    wgmma_commit();
-    issue_pv(s_v + prev_stage * kTileBytes);
-    wgmma_commit();
-    // The other consumer may issue now; consumer 1's last turn grants nothing (none follows).
-    if (kPingpong && !(c == 1 && n == n_tiles - 1)) named_bar_arrive(other_turn, 256);
-    wgmma_wait<1>();  // S(n) is done; P V may still run
-    fence_regs(s);
-    if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);
-    float alpha[2];
-    softmax(s, n, alpha);
-    wgmma_wait<0>();  // P(n-1) V(n-1) has landed: p_frag, o and V(n-1) are free
-    fence_regs(o);
-    fence_regs(p_frag);
-    if (lane == 0) mbar_arrive(bar_v_empty + 8 * prev_stage);
+    if (pp_stage >= 0 && lane == 0) mbar_arrive(bar_v_empty + 8 * pp_stage);
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) {
       o[4 * j + 0] *= alpha[0];
@@ -325,26 +317,64 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
       o[4 * j + 2] *= alpha[1];
       o[4 * j + 3] *= alpha[1];
     }
-    pack_p(s);
+  };
+  // One iteration: p_prev holds P(n-1) (read by this iteration's P V), p_next receives P(n).
+  auto step = [&](int n, uint32_t (&p_prev)[kBlockN / 16][4],
+                  uint32_t (&p_next)[kBlockN / 16][4]) {
+    if (kPingpong) named_bar_sync(my_turn, 256);
+    mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);  // issued before K(n): usually landed
+    retire_pv();
+    mbar_wait(bar_k_full + 8 * stage, parity);
+    fence_proxy_async();
+    float s[64];
+    fence_regs(o);
+    fence_regs(p_prev);
+    wgmma_fence();  // o and p_prev were written by ordinary instructions
+    issue_s(s, s_k + stage * kTileBytes);
+    wgmma_commit();
+    issue_pv(p_prev, s_v + prev_stage * kTileBytes);
+    wgmma_commit();
+    // The other consumer may issue now; consumer 1's last turn grants nothing (none follows).
+    if (kPingpong && !(c == 1 && n == n_tiles - 1)) named_bar_arrive(other_turn, 256);
+    wgmma_wait<1>();  // S(n) is done; P V may still run
+    fence_regs(s);
+    if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);
+    softmax(s, n, alpha);
+    pack_p(s, p_next);  // into the buffer P V is not reading
 
+    pp_stage = prev_stage;
     prev_stage = stage;
     prev_parity = parity;
     if (++stage == kStages) {
       stage = 0;
       parity ^= 1;
     }
-  }
-
-  if (n_tiles > 0) {  // the last tile's P V (outside the ping-pong: nothing follows it)
+  };
+  // The last tile's P V (outside the ping-pong: nothing follows it).
+  auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
     mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);
+    retire_pv();
     fence_proxy_async();
     fence_regs(o);
-    fence_regs(p_frag);
+    fence_regs(p_last);
     wgmma_fence();
-    issue_pv(s_v + prev_stage * kTileBytes);
+    issue_pv(p_last, s_v + prev_stage * kTileBytes);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
+  };
+  // Unrolled by two so that each P buffer is a fixed set of registers: P(n) is in p_buf[n % 2].
+  for (int n = 1; n_tiles > 0; n += 2) {
+    if (n >= n_tiles) {
+      last_pv(p_buf[0]);
+      break;
+    }
+    step(n, p_buf[0], p_buf[1]);
+    if (n + 1 >= n_tiles) {
+      last_pv(p_buf[1]);
+      break;
+    }
+    step(n + 1, p_buf[1], p_buf[0]);
   }
 
   float inv[2];
@@ -413,6 +443,8 @@ cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, 
         return launch<T, 3, true>(p, batch, max_seqlen_q, stream);
       case WsVariant::kNoPingpong:
         return launch<T, 2, false>(p, batch, max_seqlen_q, stream);
+      case WsVariant::kStages3NoPingpong:
+        return launch<T, 3, false>(p, batch, max_seqlen_q, stream);
       default:
         return launch<T, 2, true>(p, batch, max_seqlen_q, stream);
     }

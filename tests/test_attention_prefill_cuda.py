@@ -9,11 +9,11 @@ Every cache slot the sequences do not own is NaN, and block-table entries past a
 block point at a NaN block, so a kernel that reads a key it must not see fails loudly. Outputs are
 NaN-poisoned before the call, so every element must be written.
 
-On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu, no ping-pong);
-QWEN3_PREFILL_NO_WGMMA=1 selects the portable mma.sync kernel (prefill.cu),
-QWEN3_PREFILL_VARIANT=sm90 the single-role wgmma kernel (prefill_sm90.cu), ws|ws3 the
-warp-specialised one with ping-pong (2 / 3 stages), ws3_nopp with 3 stages and no ping-pong. The
-`kernel_path` fixture runs each test on every path.
+On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu, ping-pong, 3 K/V
+stages: "ws3"); QWEN3_PREFILL_NO_WGMMA=1 selects the portable mma.sync kernel (prefill.cu),
+QWEN3_PREFILL_VARIANT=sm90 the single-role wgmma kernel (prefill_sm90.cu), ws the
+warp-specialised one with ping-pong and 2 stages, ws_nopp / ws3_nopp without ping-pong (2 / 3
+stages). The `kernel_path` fixture runs each test on every path.
 """
 from __future__ import annotations
 
@@ -171,12 +171,12 @@ def check_against_reference(case, ours):
             f"sequence {b} (Lq={lq}, Lk={lk}): error {ours_err:.3e} > 2 x torch's {torch_err:.3e}")
 
 
-# auto: whatever the device picks (on sm_90 the warp-specialised kernel without ping-pong,
-# prefill_sm90_ws.cu); mma_sync: the portable kernel; sm90: the single-role wgmma kernel
-# (prefill_sm90.cu); ws, ws3: the warp-specialised kernel with ping-pong (2 / 3 stages); chosen by
-# QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync run the
-# default kernel.
-KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws3", "ws3_nopp"]
+# auto: whatever the device picks (on sm_90 the warp-specialised kernel with ping-pong and 3
+# stages, prefill_sm90_ws.cu); mma_sync: the portable kernel; sm90: the single-role wgmma kernel
+# (prefill_sm90.cu); ws: ping-pong with 2 stages; ws_nopp, ws3_nopp: no ping-pong (2 / 3 stages);
+# chosen by QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync
+# run the default kernel.
+KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws_nopp", "ws3_nopp"]
 
 
 @pytest.fixture(params=KERNEL_PATHS)
@@ -185,7 +185,7 @@ def kernel_path(request, monkeypatch):
         monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
     else:
         monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
-    if request.param in ("sm90", "ws", "ws3", "ws3_nopp"):
+    if request.param in ("sm90", "ws", "ws_nopp", "ws3_nopp"):
         monkeypatch.setenv("QWEN3_PREFILL_VARIANT", request.param)
     else:
         monkeypatch.delenv("QWEN3_PREFILL_VARIANT", raising=False)

@@ -356,9 +356,12 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.scale_log2 = scale * 1.4426950408889634f;
   // Hopper runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 forces this file's
   // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
-  // The default is the warp-specialised kernel without ping-pong (prefill_sm90_ws.cu): on the
-  // H200 (2026-11-30, bench_attention_prefill.py) it took 0.92-0.96x the time of the single-role
-  // wgmma kernel on every case, and ws / ws3 (with ping-pong) 1.00-1.07x.
+  // The default is the warp-specialised kernel with ping-pong and a 3-stage K/V ring ("ws3",
+  // prefill_sm90_ws.cu): on the H200 (2026-11-30, eighth session, bench_attention_prefill.py, after
+  // the producer's address math was cut to a few instructions a row) it was the fastest on 5 of 7
+  // cases: causal 4k 266.7 us against 283.5 without ping-pong (ws_nopp, the previous default) and
+  // 261.8 for cuDNN; B=8 x 2k 628 against 666; prefix chunks 0.91-0.93x ws_nopp's time. ws_nopp
+  // was 4% faster at 16k tokens only.
   // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp | ws3_nopp | sm90 picks one; anything else: the default.
   // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
@@ -381,7 +384,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                        prefill::WsVariant::kStages3NoPingpong, stream);
     }
-    return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, prefill::WsVariant::kNoPingpong,
+    return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, prefill::WsVariant::kStages3,
                                    stream);
   }
   return QWEN3_DISPATCH_HALF(dtype, T,

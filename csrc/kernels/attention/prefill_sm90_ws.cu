@@ -27,6 +27,8 @@
 // syncs on barrier 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer 0
 // the first turn and skips its arrival after its last turn, so no arrival is left pending when
 // the CTA exits (both do the same number of turns: n_tiles is per CTA).
+#include <type_traits>
+
 #include "prefill_common.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -148,6 +150,25 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
     // with row & 7, which is ld_row for all 16 of this thread's rows.
     const uint32_t dst_row0 = gmma_offset(ld_row, ld_chunk, kBlockN);
     const int64_t row_step = 8 * slot_stride;  // elements from one of this thread's rows to the next
+    // Pages of 2^kLog2 < 128 keys: a tile starts on a page boundary and spans 128 >> kLog2 pages;
+    // this thread's rows of a page are the kPageRows rows ld_row, ld_row + 8, ... of it.
+    auto load_small_pages = [&](uint32_t dst, const T* head_base, int tile, auto log2_tag) {
+      constexpr int kLog2 = decltype(log2_tag)::value;
+      constexpr int kPageRows = (1 << kLog2) / 8;
+      const int32_t* tile_pages = table + ((tile * kBlockN) >> kLog2);
+#pragma unroll
+      for (int pg = 0; pg < (kBlockN >> kLog2); ++pg) {
+        const int key_first = tile * kBlockN + (pg << kLog2) + ld_row;  // this thread's first row
+        const int64_t page = key_first < lk ? __ldg(tile_pages + pg) : 0;
+        const T* src = head_base + ((page << kLog2) + ld_row) * slot_stride;
+#pragma unroll
+        for (int j = 0; j < kPageRows; ++j) {
+          const bool valid = key_first + 8 * j < lk;
+          cp_async_16(dst + dst_row0 + 1024 * (pg * kPageRows + j),
+                      valid ? src + j * row_step : head_base, valid);
+        }
+      }
+    };
     // This thread's rows of key tile `tile` -> dst; keys past the sequence are zero-filled (and
     // their block-table entries never read). This loop was the producer's bottleneck at ~40
     // instructions a row, and the consumers waited on K (H200 profile, 2026-11-30): now the
@@ -171,21 +192,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
         }
         return;
       }
-      // Smaller pages (>= 16 keys): the tile starts on a page boundary, so row i > 0 starts a
-      // new page exactly when 8 i is a multiple of the page size (the same rows for every thread).
-      const T* src = head_base;
-#pragma unroll
-      for (int i = 0; i < kBlockN / 8; ++i) {
-        const int key = key0 + 8 * i;
-        const bool valid = key < lk;
-        if (i == 0 || ((8 * i) & block_mask) == 0) {
-          const int64_t page = valid ? __ldg(table + (key >> log2_bs)) : 0;
-          src = head_base + ((page << log2_bs) + (key & block_mask)) * slot_stride;
-        } else {
-          src += row_step;
-        }
-        cp_async_16(dst + dst_row0 + 1024 * i, valid ? src : head_base, valid);
-      }
+      // Pages of 16 / 32 / 64 keys (the op accepts 16..256): each its own unrolled loop.
+      if (log2_bs == 4) load_small_pages(dst, head_base, tile, std::integral_constant<int, 4>());
+      if (log2_bs == 5) load_small_pages(dst, head_base, tile, std::integral_constant<int, 5>());
+      if (log2_bs == 6) load_small_pages(dst, head_base, tile, std::integral_constant<int, 6>());
     };
 
     int stage = 0;

@@ -26,6 +26,18 @@ struct PrefillParams {
   float scale_log2;             // softmax scale * log2(e): scores go straight into exp2
 };
 
+// Online softmax: scales a warpgroup's 64 x 128 output accumulator (a thread's wgmma fragment
+// o[64]: rows g and g + 8 of its warp, two columns each of 16 n8 tiles) by its rows' alpha.
+__device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+    o[4 * j + 0] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+  }
+}
+
 // ---- PTX wrappers -----------------------------------------------------------------------------
 
 __device__ __forceinline__ float fast_exp2(float x) {

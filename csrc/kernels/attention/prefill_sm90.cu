@@ -368,13 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_sm90_kernel(const Prefill
 
     wgmma_wait<0>();  // P(n-1) V(n-1) has landed: p_frag and o are free
     fence_regs(o);
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      o[4 * j + 0] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
-    }
+    rescale_rows(o, alpha);
     // Two adjacent n8 accumulator tiles form the register A operand of one k16 step.
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {

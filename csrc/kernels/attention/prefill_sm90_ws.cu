@@ -348,13 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_ws_kernel(const PrefillPa
     wgmma_wait<0>();
     fence_regs(o);
     if (pp_stage >= 0 && lane == 0) mbar_arrive(bar_v_empty + 8 * pp_stage);
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      o[4 * j + 0] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
-    }
+    rescale_rows(o, alpha);
   };
   // One iteration: p_prev holds P(n-1) (read by this iteration's P V), p_next receives P(n).
   auto step = [&](int n, uint32_t (&p_prev)[kBlockN / 16][4],

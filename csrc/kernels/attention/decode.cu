@@ -258,8 +258,13 @@ __device__ __forceinline__ void combine_if_last(const DecodeParams& p, int64_t b
 // ---- main kernel --------------------------------------------------------------------------------
 
 // grid (num_splits, Hkv * head_chunks, B), S::kThreads threads, S::kSmemBytes of dynamic smem.
-template <typename T, bool kSplit, typename S>
+// kFused (split launches only, p.counters set): the last split CTA merges (combine_if_last). Its
+// own instantiation: with the merge code in the plain split kernel (not run, but compiled in),
+// ptxas scheduled the main loop differently and B=1 ctx 32k went from 37.8 to 43.7 us (H200
+// bisect over the commits that added it). Apart, the plain kernels' SASS equals what it was.
+template <typename T, bool kSplit, typename S, bool kFused = false>
 __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
+  static_assert(kSplit || !kFused, "the fused combine merges split partials");
   constexpr int kWarps = S::kWarps;
   constexpr int kStages = S::kStages;
   constexpr int kChunkTiles = S::kChunkTiles;
@@ -317,7 +322,7 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
       p.ws_lse[bh * p.max_splits + split] = -INFINITY;
     }
-    if (p.counters != nullptr)  // (uniform over the CTA: every thread reaches the barriers)
+    if constexpr (kFused)  // (uniform over the CTA: every thread reaches the barriers)
       combine_if_last<T, S::kThreads>(p, static_cast<int64_t>(b) * p.num_q_heads + head0, rows,
                                       blockIdx.z * gridDim.y + blockIdx.y,
                                       reinterpret_cast<float*>(smem));
@@ -532,10 +537,10 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       if (d == 0) p.ws_lse[slot] = l > 0.f ? m + __log2f(l) : -INFINITY;
     }
   }
-  if constexpr (kSplit) {
+  if constexpr (kFused) {
     // (after the loop above read the merge buffers: it syncs first). A sequence written alone
     // never counts arrivals: its other splits returned at once, and its counter stays 0.
-    if (p.counters != nullptr && !alone)
+    if (!alone)
       combine_if_last<T, S::kThreads>(p, static_cast<int64_t>(b) * p.num_q_heads + head0, rows,
                                       blockIdx.z * gridDim.y + blockIdx.y, so);
   }
@@ -704,7 +709,7 @@ cudaError_t device_has_pdl(bool* has) {
 // Resident CTAs of the main kernel per SM (w4s3: 1 on A100's 164 KB of shared memory, 2 on
 // H100/H200), queried once per device. Also raises the kernel's dynamic shared memory limit, which
 // is per device. A shape that does not fit the device's shared memory fails here.
-template <typename T, bool kSplit, typename S>
+template <typename T, bool kSplit, typename S, bool kFused = false>
 cudaError_t prepare_kernel(int* ctas_per_sm) {
   static int cached[kMaxDevices] = {};
   int dev = 0;
@@ -714,7 +719,7 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
     *ctas_per_sm = cached[dev];
     return cudaSuccess;
   }
-  auto kernel = paged_decode_kernel<T, kSplit, S>;
+  auto kernel = paged_decode_kernel<T, kSplit, S, kFused>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
   if (err != cudaSuccess) return err;
   int n = 0;
@@ -835,6 +840,12 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
   }
   if (flags & kFlagFusedCombine)
     p.counters = combine_counters(int64_t{batch} * p.num_kv_heads * p.head_chunks, stream);
+  if (p.counters != nullptr) {  // fused: no combine kernel
+    err = prepare_kernel<T, true, S, true>(&unused);
+    if (err != cudaSuccess) return err;
+    return launch_ex(paged_decode_kernel<T, true, S, true>, grid, S::kThreads, S::kSmemBytes,
+                     p.pdl != 0, stream, p);
+  }
   if (p.pdl) {
     err = launch_ex(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true, stream,
                     p);
@@ -842,7 +853,7 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
     paged_decode_kernel<T, true, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
-  if (err != cudaSuccess || p.counters != nullptr) return err;  // fused: no combine kernel
+  if (err != cudaSuccess) return err;
   const dim3 cgrid(batch * p.num_q_heads);
   if (flags & kFlagFastCombine)
     return launch_ex(paged_decode_combine_fast_kernel<T>, cgrid, kCombineThreads, 0, has_pdl,

@@ -4,7 +4,7 @@
     ncu --clock-control none -k regex:prefill -s 3 -c 1 --set full -o rep \\
         python3 benchmarks/prefill_profile.py --calls 4
 
-QWEN3_PREFILL_VARIANT picks the kernel as in the op (ws, ws3, ws_nopp, ws3_nopp, sm90; unset: the
+QWEN3_PREFILL_VARIANT picks the kernel as in the op (ws, ws3, ws3p, ws_nopp, ws3_nopp, sm90; unset: the
 default, ws3 on Hopper).
 """
 from __future__ import annotations

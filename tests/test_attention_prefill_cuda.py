@@ -13,7 +13,7 @@ On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu, pin
 stages: "ws3"); QWEN3_PREFILL_NO_WGMMA=1 selects the portable mma.sync kernel (prefill.cu),
 QWEN3_PREFILL_VARIANT=sm90 the single-role wgmma kernel (prefill_sm90.cu), ws the
 warp-specialised one with ping-pong and 2 stages, ws_nopp / ws3_nopp without ping-pong (2 / 3
-stages). The `kernel_path` fixture runs each test on every path.
+stages), ws3p the default made persistent. The `kernel_path` fixture runs each test on every path.
 """
 from __future__ import annotations
 
@@ -174,9 +174,10 @@ def check_against_reference(case, ours):
 # auto: whatever the device picks (on sm_90 the warp-specialised kernel with ping-pong and 3
 # stages, prefill_sm90_ws.cu); mma_sync: the portable kernel; sm90: the single-role wgmma kernel
 # (prefill_sm90.cu); ws: ping-pong with 2 stages; ws_nopp, ws3_nopp: no ping-pong (2 / 3 stages);
-# chosen by QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync
+# ws3p: the default made persistent (one CTA per SM walks the work tiles); chosen by
+# QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync
 # run the default kernel.
-KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws_nopp", "ws3_nopp"]
+KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws_nopp", "ws3_nopp", "ws3p"]
 
 
 @pytest.fixture(params=KERNEL_PATHS)
@@ -185,7 +186,7 @@ def kernel_path(request, monkeypatch):
         monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
     else:
         monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
-    if request.param in ("sm90", "ws", "ws_nopp", "ws3_nopp"):
+    if request.param in ("sm90", "ws", "ws_nopp", "ws3_nopp", "ws3p"):
         monkeypatch.setenv("QWEN3_PREFILL_VARIANT", request.param)
     else:
         monkeypatch.delenv("QWEN3_PREFILL_VARIANT", raising=False)
@@ -233,6 +234,23 @@ def test_prefill_other_block_sizes(block_size, kernel_path):
 def test_prefill_long_and_short_together(dtype, block_size, kernel_path):
     seqs = [(4096, 4096), (3, 3), (1000, 3000), (1, 1), (513, 513)]
     case = Case(seqs, 32, 8, block_size, dtype, seed=7).cuda()
+    check_against_reference(case, run_ours(case))
+
+
+@requires_cuda
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_prefill_many_work_tiles(block_size, kernel_path):
+    """More work tiles than SMs several times over, of every length, with empty M blocks between
+    them: the persistent kernel (ws3p) walks many per CTA, its K/V ring and Q barrier running on
+    across tiles of different sequences and lengths."""
+    gen = torch.Generator().manual_seed(block_size)
+    seqs = []
+    for _ in range(40):
+        lq = int(torch.randint(1, 700, (1,), generator=gen))
+        prefix = int(torch.randint(0, 3, (1,), generator=gen)) * int(
+            torch.randint(0, 900, (1,), generator=gen))
+        seqs.append((lq, lq + prefix))
+    case = Case(seqs, 40, 8, block_size, torch.bfloat16, seed=block_size + 1).cuda()
     check_against_reference(case, run_ours(case))
 
 

@@ -362,7 +362,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   // cases: causal 4k 266.7 us against 283.5 without ping-pong (ws_nopp, the previous default) and
   // 261.8 for cuDNN; B=8 x 2k 628 against 666; prefix chunks 0.91-0.93x ws_nopp's time. ws_nopp
   // was 4% faster at 16k tokens only.
-  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws_nopp | ws3_nopp | sm90 picks one; anything else: the default.
+  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws_nopp | ws3_nopp | sm90 picks one; anything else: the default.
   // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
   if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
@@ -383,6 +383,9 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
       if (std::strcmp(variant, "ws3_nopp") == 0)
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                        prefill::WsVariant::kStages3NoPingpong, stream);
+      if (std::strcmp(variant, "ws3p") == 0)
+        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+                                       prefill::WsVariant::kStages3Persistent, stream);
     }
     return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, prefill::WsVariant::kStages3,
                                    stream);

@@ -8,9 +8,10 @@ causal half including the diagonal. Baselines get q [B, Hq, L, D] and k/v [B, Hk
 (enable_gqa, or K/V repeated to Hq heads where a backend refuses GQA, outside the timed region);
 ours reads K/V through a shuffled block table. A baseline that fails records "unavailable".
 "ours" is the kernel the device picks (on an H100/H200 the warp-specialised wgmma kernel with
-ping-pong and a 3-stage K/V ring, "ws3"); "ours_mma_sync" the portable one; "ours_sm90" the
-single-role wgmma kernel; "ours_ws" ping-pong with 2 stages, "ours_ws_nopp" / "ours_ws3_nopp"
-without ping-pong, "ours_ws3p" ws3 made persistent (QWEN3_PREFILL_VARIANT).
+ping-pong and a 3-stage K/V ring: "ws3p", persistent, up to 8192 queries a sequence, "ws3", one
+CTA per work tile, above); "ours_mma_sync" the portable one; "ours_sm90" the single-role wgmma
+kernel; "ours_ws" ping-pong with 2 stages, "ours_ws_nopp" / "ours_ws3_nopp" without ping-pong,
+"ours_ws3" / "ours_ws3p" each explicitly (QWEN3_PREFILL_VARIANT).
 """
 from __future__ import annotations
 
@@ -120,9 +121,10 @@ def _check(out_packed, want):
 
 
 # Our kernel paths, timed in one run: name -> (QWEN3_PREFILL_NO_WGMMA, QWEN3_PREFILL_VARIANT).
-# "ours" is the default (on an H100/H200 "ws3": the warp-specialised kernel with ping-pong and 3
-# stages, prefill_sm90_ws.cu); "ours_sm90" the single-role wgmma kernel; ws: ping-pong with 2
-# stages; ws_nopp / ws3_nopp: no ping-pong (2 / 3 stages); ws3p: ws3 persistent (one CTA per SM).
+# "ours" is the default (on an H100/H200 the warp-specialised kernel with ping-pong and 3 stages,
+# prefill_sm90_ws.cu: "ws3p", persistent, up to 8192 queries a sequence, "ws3" above);
+# "ours_sm90" the single-role wgmma kernel; ws3: one CTA per work tile; ws3p: persistent; ws:
+# ping-pong with 2 stages; ws_nopp / ws3_nopp: no ping-pong (2 / 3 stages).
 PATHS = {
     "ours": (None, None),
     "ours_mma_sync": ("1", None),
@@ -130,6 +132,7 @@ PATHS = {
     "ours_ws": (None, "ws"),
     "ours_ws_nopp": (None, "ws_nopp"),
     "ours_ws3_nopp": (None, "ws3_nopp"),
+    "ours_ws3": (None, "ws3"),
     "ours_ws3p": (None, "ws3p"),
 }
 _ENV = ("QWEN3_PREFILL_NO_WGMMA", "QWEN3_PREFILL_VARIANT")

@@ -4,8 +4,8 @@
     ncu --clock-control none -k regex:prefill -s 3 -c 1 --set full -o rep \\
         python3 benchmarks/prefill_profile.py --calls 4
 
-QWEN3_PREFILL_VARIANT picks the kernel as in the op (ws, ws3, ws3p, ws_nopp, ws3_nopp, sm90; unset: the
-default, ws3 on Hopper).
+QWEN3_PREFILL_VARIANT picks the kernel as in the op (ws, ws3, ws3p, ws_nopp, ws3_nopp, sm90;
+unset: the default, on Hopper ws3p up to 8192 queries a sequence, ws3 above).
 """
 from __future__ import annotations
 

@@ -356,13 +356,14 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.scale_log2 = scale * 1.4426950408889634f;
   // Hopper runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 forces this file's
   // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
-  // The default is the warp-specialised kernel with ping-pong and a 3-stage K/V ring ("ws3",
-  // prefill_sm90_ws.cu): on the H200 (2026-11-30, eighth session, bench_attention_prefill.py, after
-  // the producer's address math was cut to a few instructions a row) it was the fastest on 5 of 7
-  // cases: causal 4k 266.7 us against 283.5 without ping-pong (ws_nopp, the previous default) and
-  // 261.8 for cuDNN; B=8 x 2k 628 against 666; prefix chunks 0.91-0.93x ws_nopp's time. ws_nopp
-  // was 4% faster at 16k tokens only.
-  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws_nopp | ws3_nopp | sm90 picks one; anything else: the default.
+  // The default is the warp-specialised kernel with ping-pong and a 3-stage K/V ring
+  // (prefill_sm90_ws.cu), persistent ("ws3p") up to 8192 query tokens a sequence and one-tile
+  // ("ws3") above. H200, 2026-11-30 (ninth session, bench_attention_prefill.py): ws3p against ws3
+  // 268.3 / 279.3 us at causal 4k (cuDNN 273.4), 633.2 / 656.2 at 8 x 2k, 331.6 / 337.6 at 4k
+  // with pages of 16, equal on prefix chunks of 512 and 2048 queries, but 4090 / 3847 at 16k.
+  // (Eighth session: ws3 beat the other one-tile variants on 5 of 7 cases.)
+  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws_nopp | ws3_nopp | sm90 picks one; anything else:
+  // the default.
   // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
   if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
@@ -387,7 +388,11 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                        prefill::WsVariant::kStages3Persistent, stream);
     }
-    return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, prefill::WsVariant::kStages3,
+    constexpr int kPersistentMaxSeqlenQ = 8192;
+    return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+                                   max_seqlen_q <= kPersistentMaxSeqlenQ
+                                       ? prefill::WsVariant::kStages3Persistent
+                                       : prefill::WsVariant::kStages3,
                                    stream);
   }
   return QWEN3_DISPATCH_HALF(dtype, T,

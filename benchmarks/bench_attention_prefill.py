@@ -11,8 +11,7 @@ ours reads K/V through a shuffled block table. A baseline that fails records "un
 ping-pong and a 3-stage K/V ring: "ws3p", persistent, up to 8192 queries a sequence, "ws3", one
 CTA per work tile, above); "ours_mma_sync" the portable one; "ours_sm90" the single-role wgmma
 kernel; "ours_ws" ping-pong with 2 stages, "ours_ws_nopp" / "ours_ws3_nopp" without ping-pong,
-"ours_ws3" / "ours_ws3p" each explicitly, "ours_ws3d" ws3p taking its tiles from a counter
-(QWEN3_PREFILL_VARIANT).
+"ours_ws3" / "ours_ws3p" each explicitly (QWEN3_PREFILL_VARIANT).
 """
 from __future__ import annotations
 
@@ -124,9 +123,8 @@ def _check(out_packed, want):
 # Our kernel paths, timed in one run: name -> (QWEN3_PREFILL_NO_WGMMA, QWEN3_PREFILL_VARIANT).
 # "ours" is the default (on an H100/H200 the warp-specialised kernel with ping-pong and 3 stages,
 # prefill_sm90_ws.cu: "ws3p", persistent, up to 8192 queries a sequence, "ws3" above);
-# "ours_sm90" the single-role wgmma kernel; ws3: one CTA per work tile; ws3p: persistent; ws3d:
-# ws3p with a tile counter; ws: ping-pong with 2 stages; ws_nopp / ws3_nopp: no ping-pong (2 / 3
-# stages).
+# "ours_sm90" the single-role wgmma kernel; ws3: one CTA per work tile; ws3p: persistent; ws:
+# ping-pong with 2 stages; ws_nopp / ws3_nopp: no ping-pong (2 / 3 stages).
 PATHS = {
     "ours": (None, None),
     "ours_mma_sync": ("1", None),
@@ -136,7 +134,6 @@ PATHS = {
     "ours_ws3_nopp": (None, "ws3_nopp"),
     "ours_ws3": (None, "ws3"),
     "ours_ws3p": (None, "ws3p"),
-    "ours_ws3d": (None, "ws3d"),
 }
 _ENV = ("QWEN3_PREFILL_NO_WGMMA", "QWEN3_PREFILL_VARIANT")
 

@@ -362,8 +362,8 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   // 268.3 / 279.3 us at causal 4k (cuDNN 273.4), 633.2 / 656.2 at 8 x 2k, 331.6 / 337.6 at 4k
   // with pages of 16, equal on prefix chunks of 512 and 2048 queries, but 4090 / 3847 at 16k.
   // (Eighth session: ws3 beat the other one-tile variants on 5 of 7 cases.)
-  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws3d | ws_nopp | ws3_nopp | sm90 picks one (ws3d:
-  // ws3p with a tile counter); anything else: the default.
+  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws_nopp | ws3_nopp | sm90 picks one; anything else:
+  // the default.
   // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
   const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
   if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
@@ -387,9 +387,6 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
       if (std::strcmp(variant, "ws3p") == 0)
         return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                        prefill::WsVariant::kStages3Persistent, stream);
-      if (std::strcmp(variant, "ws3d") == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                       prefill::WsVariant::kStages3Dynamic, stream);
     }
     constexpr int kPersistentMaxSeqlenQ = 8192;
     return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,

@@ -56,16 +56,8 @@ cudaError_t launch_sm90(const PrefillParams& p, int batch, int max_seqlen_q, DTy
 // The warp-specialised wgmma kernel (prefill_sm90_ws.cu), chosen by QWEN3_PREFILL_VARIANT while it
 // is measured against the default: ws = 2-stage K/V ring with ping-pong, ws3 = 3 stages,
 // ws_nopp / ws3_nopp = 2 / 3 stages without ping-pong, ws3p = ws3 persistent (one CTA per SM walks
-// the work tiles in a static order), ws3d = ws3p taking its tiles from a counter (dynamic).
-// cudaErrorNotSupported where sm90_available() is false.
-enum class WsVariant {
-  kStages2,
-  kStages3,
-  kNoPingpong,
-  kStages3NoPingpong,
-  kStages3Persistent,
-  kStages3Dynamic
-};
+// the work tiles). cudaErrorNotSupported where sm90_available() is false.
+enum class WsVariant { kStages2, kStages3, kNoPingpong, kStages3NoPingpong, kStages3Persistent };
 cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
                            WsVariant variant, cudaStream_t stream);
 

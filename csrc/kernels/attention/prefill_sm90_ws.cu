@@ -2,8 +2,7 @@
 // work split, tile layouts and wgmma descriptors as prefill_sm90.cu (read its header first);
 // what changes is who does what and how they synchronise. Selected by QWEN3_PREFILL_VARIANT
 // (prefill.cu): "ws" = 2-stage K/V ring with ping-pong, "ws3" = 3 stages, "ws_nopp" = 2 stages
-// without ping-pong, "ws3_nopp" = 3 stages without, "ws3p" = ws3 made persistent, "ws3d" = ws3p
-// with a tile counter (below).
+// without ping-pong, "ws3_nopp" = 3 stages without, "ws3p" = ws3 made persistent (below).
 // sm_90a only.
 //
 // CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128.
@@ -32,20 +31,15 @@
 // same number of turns: n_tiles per work tile, the same tiles).
 //
 // Persistent (ws3p): a grid of one CTA per SM, each walking a list of work tiles (kv head, M
-// block, sequence) in a fixed order (static_tile_index), so every role knows the list without
-// talking. ws3d: the same kernel taking tiles from a global counter in the one-tile grid's order
-// (the producer's thread 0 takes one and publishes it in shared memory with Q; the last CTA out
-// re-arms the counter), which keeps the CTAs that run at the same time on neighbouring tiles. The K/V ring's slots and phases run on across tiles; Q gets a barrier of its own,
+// block, sequence) in a fixed order (persistent_tile), so every role knows the list without
+// talking. The K/V ring's slots and phases run on across tiles; Q gets a barrier of its own,
 // "Q empty" (one arrival per consumer warp after its last S of the tile), so the producer loads
 // the next tile's Q while the consumers still run the current tile's last P V, softmax and
 // output; the output then goes from registers straight to global memory (the one-tile kernels
 // stage it in Q's shared memory, which here already holds the next Q). What it saves: each CTA
 // of the one-tile kernels waits for its Q and first K before any math (6% of the stall samples
 // at 4k causal, more with many short CTAs; H200 profile, 2026-11-30).
-#include <map>
-#include <mutex>
 #include <type_traits>
-#include <utility>
 
 #include "prefill_common.cuh"
 
@@ -70,9 +64,8 @@ static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file
 
 template <int kStages>
 constexpr int smem_bytes() {
-  // 1 KiB alignment slack + Q + K and V rings + barriers (2 + 4 * kStages of 8 bytes) + the
-  // dynamic scheduler's tile index (8 bytes).
-  return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (2 + 4 * kStages) + 8;
+  // 1 KiB alignment slack + Q + K and V rings + barriers (2 + 4 * kStages of 8 bytes).
+  return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (2 + 4 * kStages);
 }
 static_assert(smem_bytes<3>() <= 227 * 1024, "3 stages must fit the opt-in shared memory");
 
@@ -94,39 +87,31 @@ struct WorkTile {
   int seq;
 };
 
-// Work tile i (0 .. m_blocks * kv_heads * batch - 1) of the persistent list: M blocks from the
-// last (in a causal prefill the longest key range) to the first, each over all sequences and kv
-// heads, the order in which the one-tile kernels' grid starts its CTAs.
-__device__ __forceinline__ WorkTile tile_at(int i, int m_blocks, int kv_heads, int batch) {
-  const int per_m = kv_heads * batch;
-  const int r = i / per_m, rem = i - r * per_m;
-  WorkTile w;
-  w.m_block = m_blocks - 1 - r;
-  w.seq = rem / kv_heads;
-  w.kv_head = rem - w.seq * kv_heads;
-  return w;
-}
-
-// The static order (no scheduler counter): the index of this CTA's k-th tile, or -1 past the end.
-// Round k of G CTAs takes tiles k G .. k G + G - 1, CTA b the b-th of them on even rounds and the
-// (G-1-b)-th on odd ones (a snake: the CTA with one of the longest tiles of a round gets one of
-// the shortest of the next). A host model of a causal 4k prefill (1,024 tiles of 1..32 key tiles,
-// 132 CTAs) puts the busiest CTA within 1% of the average.
-__device__ __forceinline__ int static_tile_index(int k, int num_tiles) {
+// Work tile k of this CTA in the persistent order, or false past the end. The list: M blocks from
+// the last (in a causal prefill the longest key range) to the first, each over all sequences and
+// kv heads; round k of G CTAs takes tiles k G .. k G + G - 1, CTA b the b-th of them on even
+// rounds and the (G-1-b)-th on odd ones (a snake: the CTA with one of the longest tiles of a round
+// gets one of the shortest of the next). A host model of a causal 4k prefill (1,024 tiles of
+// 1..32 key tiles, 132 CTAs) puts the busiest CTA within 1% of the average.
+__device__ __forceinline__ bool persistent_tile(int k, int m_blocks, int kv_heads, int batch,
+                                                WorkTile& w) {
   const int num_ctas = gridDim.x;
   const int64_t i = static_cast<int64_t>(k) * num_ctas +
                     ((k & 1) ? num_ctas - 1 - static_cast<int>(blockIdx.x) : blockIdx.x);
-  return i < num_tiles ? static_cast<int>(i) : -1;
+  const int per_m = kv_heads * batch;
+  if (i >= static_cast<int64_t>(m_blocks) * per_m) return false;
+  const int r = static_cast<int>(i / per_m), rem = static_cast<int>(i % per_m);
+  w.m_block = m_blocks - 1 - r;
+  w.seq = rem / kv_heads;
+  w.kv_head = rem - w.seq * kv_heads;
+  return true;
 }
 
 // One-tile kernels: grid (Hkv, m_blocks, B), M tiles in reverse (longest rows first).
-// Persistent (kPersistent): grid (min(tiles, SMs)), the static order; kDynamic: the producer takes
-// tiles from a counter, sched ([2] ints, zero at launch: the next tile index, the CTAs done). Its
-// own instantiation: the consumers' registers are at the limit, and both orders in one kernel
-// spilled in the main loop.
-template <typename T, int kStages, bool kPingpong, bool kPersistent, bool kDynamic = false>
+// Persistent (kPersistent): grid (min(tiles, SMs)), tiles from persistent_tile.
+template <typename T, int kStages, bool kPingpong, bool kPersistent>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_ws_kernel(const PrefillParams p, int m_blocks, int batch, int* sched) {
+    prefill_ws_kernel(const PrefillParams p, int m_blocks, int batch) {
 #if defined(QWEN3_PREFILL_WS)
   using namespace sm90;
   extern __shared__ uint8_t smem_raw[];
@@ -142,21 +127,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar_v_full = bar_k_full + 8 * kStages;
   const uint32_t bar_k_empty = bar_v_full + 8 * kStages;  // [kStages] K slot read by all 8 warps
   const uint32_t bar_v_empty = bar_k_empty + 8 * kStages;
-  // The dynamic scheduler's tile index for this CTA's next tile (-1: none), written by the
-  // producer before it loads that tile's Q, read by the consumers once Q has landed.
-  const uint32_t s_tile = bar_v_empty + 8 * kStages;  // a shared-space address (32-bit)
-  constexpr bool dynamic = kPersistent && kDynamic;
-  // (a function of kernel parameters, not a value held in a register over the consumers' loop:
-  // they are at the register limit)
-  auto num_tiles = [&]() { return m_blocks * p.num_kv_heads * batch; };  // < 2^31 (launcher)
 
   const int group = p.group;
-  // What a work tile needs. An empty tile (an M block past a shorter sequence's rows) gets
-  // n_tiles = -1 and is skipped by every role.
+  // Work tile k of this CTA (false: no more), and what follows from it. Every role walks the same
+  // list and skips the same empty tiles (M blocks past a shorter sequence's rows).
   struct Tile {
     int kv_head, seq, q_start, rows, row0, lk, shift, n_tiles, n_full;
   };
-  auto describe = [&](const WorkTile& w, Tile& t) {
+  auto get_tile = [&](int k, Tile& t) -> bool {
+    WorkTile w;
+    if (kPersistent) {
+      if (!persistent_tile(k, m_blocks, p.num_kv_heads, batch, w)) return false;
+    } else {
+      if (k > 0) return false;
+      w = WorkTile{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.y - 1 - blockIdx.y),
+                   static_cast<int>(blockIdx.z)};
+    }
     t.kv_head = w.kv_head;
     t.seq = w.seq;
     t.q_start = p.cu_seqlens_q[w.seq];
@@ -166,33 +152,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     t.lk = min(p.seq_lens_k[w.seq], p.max_blocks << p.block_size_log2);
     t.shift = t.lk - lq;  // absolute position of query token t is shift + t
     if (t.row0 >= t.rows) {
-      t.n_tiles = -1;
-      return;
+      t.n_tiles = -1;  // empty: skipped by every role
+      return true;
     }
     const int t_first = t.row0 / group;
     const int t_last = (min(t.row0 + kBlockM, t.rows) - 1) / group;
     const int key_end = t.shift + t_last + 1;
     t.n_tiles = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
     t.n_full = max(0, (t.shift + t_first + 1) / kBlockN);  // tiles before it need no mask
-  };
-  // The k-th tile of this CTA in the one-tile or the static persistent order, empty ones
-  // included (false: no more).
-  auto fixed_tile = [&](int k, Tile& t) -> bool {
-    if (kPersistent) {
-      const int i = static_tile_index(k, num_tiles());
-      if (i < 0) return false;
-      describe(tile_at(i, m_blocks, p.num_kv_heads, batch), t);
-    } else {
-      if (k > 0) return false;
-      describe(WorkTile{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.y - 1 - blockIdx.y),
-                        static_cast<int>(blockIdx.z)},
-               t);
-    }
     return true;
   };
   if (!kPersistent) {
     Tile t;
-    fixed_tile(0, t);
+    get_tile(0, t);
     if (t.n_tiles < 0) return;  // the whole CTA, before any barrier
   }
 
@@ -200,8 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = tid >> 7;
 
   if (tid == 0) {
-    // + 1 with the dynamic scheduler: thread 0's plain arrive, which publishes s_tile
-    mbar_init(bar_q, dynamic ? 129 : 128);
+    mbar_init(bar_q, 128);
     mbar_init(bar_q_empty, 8);  // one arrival per consumer warp
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -230,51 +201,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t round_parity = 0;  // (K/V tiles loaded / kStages) & 1, over all work tiles
     uint32_t q_parity = 0;      // (work tiles loaded) & 1
     Tile tile;
-    for (int k = 0;; ++k) {
-      if constexpr (dynamic) {
-        // The previous tile's Q (and s_tile) is free once every consumer warp has run its last S.
-        mbar_wait<true>(bar_q_empty, q_parity ^ 1);
-        // Thread 0 takes tiles from the counter until a non-empty one (or none is left) and
-        // publishes it: to the producer through a named barrier, to the consumers through s_tile
-        // and its own plain arrive on bar_q (release; their wait on bar_q acquires).
-        if (tid == 0) {
-          int i;
-          for (;;) {
-            i = atomicAdd(sched, 1);
-            if (i >= num_tiles()) {
-              i = -1;
-              break;
-            }
-            describe(tile_at(i, m_blocks, p.num_kv_heads, batch), tile);
-            if (tile.n_tiles >= 0) break;
-          }
-          asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(s_tile), "r"(i) : "memory");
-          mbar_arrive(bar_q);
-          if (i < 0) {
-            // The last CTA out re-arms the counter for the next launch: every CTA takes its
-            // last index before it counts itself done (the fence orders the two atomics).
-            __threadfence();
-            if (atomicAdd(sched + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-              atomicExch(sched, 0);
-              atomicExch(sched + 1, 0);
-            }
-          }
-        }
-        named_bar_sync(5, 128);
-        int i;
-        asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(i) : "r"(s_tile) : "memory");
-        if (i < 0) {
-          mbar_arrive(bar_q);  // with thread 0's above: the consumers see -1 and stop
-          break;
-        }
-        describe(tile_at(i, m_blocks, p.num_kv_heads, batch), tile);
-      } else {
-        if (!fixed_tile(k, tile)) break;
-        if (tile.n_tiles < 0) continue;
-        // The previous tile's Q is free once every consumer warp has run its last S.
-        if (kPersistent) mbar_wait<true>(bar_q_empty, q_parity ^ 1);
-      }
+    for (int k = 0; get_tile(k, tile); ++k) {
+      if (tile.n_tiles < 0) continue;
       const int lk = tile.lk;
+      // The previous tile's Q is free once every consumer warp has run its last S.
+      if (kPersistent) mbar_wait<true>(bar_q_empty, q_parity ^ 1);
       const T* q = static_cast<const T*>(p.q);
 #pragma unroll 4
       for (int i = 0; i < kBlockM / 8; ++i) {
@@ -465,17 +396,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   Tile tile;
-  for (int k = 0;; ++k) {
-    if constexpr (dynamic) {
-      mbar_wait(bar_q, q_parity);  // the tile's Q, and s_tile with it
-      int i;
-      asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(i) : "r"(s_tile) : "memory");
-      if (i < 0) break;
-      describe(tile_at(i, m_blocks, p.num_kv_heads, batch), tile);
-    } else {
-      if (!fixed_tile(k, tile)) break;
-      if (tile.n_tiles < 0) continue;
-    }
+  for (int k = 0; get_tile(k, tile); ++k) {
+    if (tile.n_tiles < 0) continue;
     const int n_tiles = tile.n_tiles;
     n_full = tile.n_full;
 #pragma unroll
@@ -488,8 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_max[h] = -INFINITY;
       row_sum[h] = 0.f;
     }
+
     // Every thread waits for Q itself (also before the output reuses its space below).
-    if constexpr (!dynamic) mbar_wait(bar_q, q_parity);
+    mbar_wait(bar_q, q_parity);
     q_parity ^= 1;
 
     // alpha of the last tile whose softmax ran: o is rescaled by it once the P V before landed.
@@ -672,46 +595,12 @@ int num_sms() {
   return n;
 }
 
-// The dynamic scheduler's counters for launches on `stream`: [2] zeroed ints of this device and
-// stream (each launch leaves them zero), or nullptr (then the static order) while the stream is
-// capturing a graph: a graph keeps the pointer, and two replays on different streams would share
-// the counter and split each other's tiles. Launches on one stream run one after another, so a
-// counter per stream is never shared by two running kernels. Never freed (a few bytes a stream).
-int* sched_counters(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess ||
-      status != cudaStreamCaptureStatusNone) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return nullptr;
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, int*> counters;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = counters.find({dev, stream});
-  if (it != counters.end()) return it->second;
-  int* ptr = nullptr;
-  if (cudaMalloc(&ptr, 2 * sizeof(int)) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: the static order
-    return nullptr;
-  }
-  if (cudaMemsetAsync(ptr, 0, 2 * sizeof(int), stream) != cudaSuccess) {
-    (void)cudaGetLastError();
-    (void)cudaFree(ptr);
-    return nullptr;
-  }
-  counters[{dev, stream}] = ptr;
-  return ptr;
-}
-
-template <typename T, int kStages, bool kPingpong, bool kPersistent, bool kDynamic>
-cudaError_t launch_with(const PrefillParams& p, int batch, int max_seqlen_q, int* sched,
-                        cudaStream_t stream) {
+template <typename T, int kStages, bool kPingpong, bool kPersistent = false>
+cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStream_t stream) {
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
   constexpr int kSmem = smem_bytes<kStages>();
-  auto kernel = prefill_ws_kernel<T, kStages, kPingpong, kPersistent, kDynamic>;
+  auto kernel = prefill_ws_kernel<T, kStages, kPingpong, kPersistent>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
@@ -724,21 +613,8 @@ cudaError_t launch_with(const PrefillParams& p, int batch, int max_seqlen_q, int
     grid = dim3((unsigned)(tiles < sms ? tiles : sms));
     if (tiles == 0) return cudaSuccess;
   }
-  kernel<<<grid, kThreads, kSmem, stream>>>(p, (int)m_blocks, batch, sched);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p, (int)m_blocks, batch);
   return cudaGetLastError();
-}
-
-template <typename T, int kStages, bool kPingpong, bool kPersistent = false, bool kDynamic = false>
-cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStream_t stream) {
-  if constexpr (kDynamic) {
-    int* sched = sched_counters(stream);
-    if (sched != nullptr)
-      return launch_with<T, kStages, kPingpong, kPersistent, true>(p, batch, max_seqlen_q, sched,
-                                                                    stream);
-    // no counter (capturing a graph): the static order
-  }
-  return launch_with<T, kStages, kPingpong, kPersistent, false>(p, batch, max_seqlen_q, nullptr,
-                                                                 stream);
 }
 
 }  // namespace
@@ -756,8 +632,6 @@ cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, 
         return launch<T, 3, false>(p, batch, max_seqlen_q, stream);
       case WsVariant::kStages3Persistent:
         return launch<T, 3, true, true>(p, batch, max_seqlen_q, stream);
-      case WsVariant::kStages3Dynamic:
-        return launch<T, 3, true, true, true>(p, batch, max_seqlen_q, stream);
       default:
         return launch<T, 2, true>(p, batch, max_seqlen_q, stream);
     }

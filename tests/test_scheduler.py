@@ -181,3 +181,22 @@ def test_abort_all_frees_everything():
     assert len(dropped) == 3 and sched.is_finished()
     assert all(s.status == SequenceStatus.FINISHED for s in seqs)
     assert sched.block_manager.num_free_blocks == 64
+
+
+def test_decodes_are_ordered_longest_context_first():
+    """Decode attention starts its CTAs in batch order: the longest contexts go first."""
+    sched = make(budget=64, max_seqs=8)
+    prompts = [[7] * n for n in (3, 11, 5, 17, 2)]
+    seqs = [Sequence(p, SamplingParams(max_tokens=6)) for p in prompts]
+    for s in seqs:
+        sched.add(s)
+    fake_step(sched)  # every prompt prefilled in one step
+    for _ in range(3):
+        batch = fake_step(sched)
+        lens = [s.num_computed_tokens for s in batch.decodes]  # (after the step: all + 1)
+        assert sorted(batch.decodes, key=lambda s: s.seq_id) == sorted(seqs, key=lambda s: s.seq_id)
+        assert lens == sorted(lens, reverse=True) and lens[0] > lens[-1]
+    outs = [reference_output(p, 6) for p in prompts]
+    while not sched.is_finished():
+        fake_step(sched)
+    assert [s.completion_token_ids for s in seqs] == outs

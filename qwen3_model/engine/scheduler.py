@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import chain, repeat
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
+
+
+_context_len = attrgetter("num_computed_tokens")  # a decode's cached keys (its one query sees them)
 
 
 class Scheduler:
@@ -178,6 +182,11 @@ class Scheduler:
                 self.num_partial_prefills += 1
             budget -= n
 
+        # Longest context first: decode attention runs one CTA per (sequence, kv head) in batch
+        # order once the batch fills the GPU, and the GPU starts them in that order, so the
+        # longest ones start first instead of ending the kernel alone (a longest-first greedy
+        # schedule). Nothing else depends on the order of the decodes.
+        decodes.sort(key=_context_len, reverse=True)
         batch.block_tables = bm.tables
         batch.num_partial_decodes = partial_decodes
         if batch:

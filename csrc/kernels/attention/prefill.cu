@@ -358,9 +358,9 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
   // The default is the warp-specialised kernel with ping-pong and a 3-stage K/V ring
   // (prefill_sm90_ws.cu), persistent ("ws3p") up to 8192 query tokens a sequence and one-tile
-  // ("ws3") above. H200, 2026-11-30 (ninth session, bench_attention_prefill.py): ws3p against ws3
-  // 268.3 / 279.3 us at causal 4k (cuDNN 273.4), 633.2 / 656.2 at 8 x 2k, 331.6 / 337.6 at 4k
-  // with pages of 16, equal on prefix chunks of 512 and 2048 queries, but 4090 / 3847 at 16k.
+  // ("ws3") above. H200, 2026-11-30 (ninth session, bench_attention_prefill.py, four runs): ws3p
+  // against ws3 0.5-4% faster at causal 4k (268.3 / 279.3 us; cuDNN 273.4), 2.3-3.5% at 8 x 2k,
+  // equal on prefix chunks of 512 and 2048 queries, 0.6-6.3% slower at 16k.
   // (Eighth session: ws3 beat the other one-tile variants on 5 of 7 cases.)
   // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws_nopp | ws3_nopp | sm90 picks one; anything else:
   // the default.

@@ -6,10 +6,10 @@
 // sm_90a only.
 //
 // CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128.
-//   WG 0, producer (setmaxnreg down to 40): copies Q once, then K(0), V(0), K(1), V(1), ... into a
-//     ring of kStages K and kStages V slots with 16-byte cp.async (each key row's address goes
-//     through the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async also
-//     zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
+//   WG 0, producer (setmaxnreg down to 40): copies Q (once a work tile), then K(0), V(0), K(1), ...
+//     into a ring of kStages K and kStages V slots with 16-byte cp.async (each key row's address
+//     goes through the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async
+//     also zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
 //     signals "slot full" with cp.async.mbarrier.arrive.noinc: the barrier (count 128) completes
 //     when every producer thread's copies have landed. Before refilling a slot it waits on the
 //     slot's "empty" barrier (count 8: one arrival per consumer warp).
@@ -24,8 +24,9 @@
 // barrier satisfies at once for r = 0. cp.async writes through the generic proxy and wgmma reads
 // through the async proxy, so each consumer issues fence.proxy.async after its full-waits (the
 // writer-side fence of prefill_sm90.cu is impossible: the producer never sees its copies land).
-// The producer's empty-waits trap after ~2^26 polls (a lost arrival fails the launch, no hang). The ping-pong barriers need 256 arrivals (128 sync + 128 arrive): consumer c
-// syncs on barrier 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer 0
+// The producer's empty-waits trap after ~2^26 polls (a lost arrival fails the launch, no hang).
+// The ping-pong barriers need 256 arrivals (128 sync + 128 arrive): consumer c syncs on barrier
+// 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer 0
 // the first turn, and consumer 0 takes one empty turn at the end (a sync on barrier 1), which
 // consumes consumer 1's last grant: no arrival is left pending when the CTA exits (both do the
 // same number of turns: n_tiles per work tile, the same tiles).
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Row ld_row + 8 i of a tile lands at dst_row0 + 1024 i: the 128-byte swizzle XORs the chunk
     // with row & 7, which is ld_row for all 16 of this thread's rows.
     const uint32_t dst_row0 = gmma_offset(ld_row, ld_chunk, kBlockN);
-    const int64_t row_step = 8 * slot_stride;  // elements from one of this thread's rows to the next
+    const int64_t row_step = 8 * slot_stride;  // elements from one of its rows to the next
     int stage = 0;
     uint32_t round_parity = 0;  // (K/V tiles loaded / kStages) & 1, over all work tiles
     uint32_t q_parity = 0;      // (work tiles loaded) & 1

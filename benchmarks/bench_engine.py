@@ -90,8 +90,10 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
     return llm
 
 
-def run_ours_throughput(llm: LLM, prompts, max_tokens) -> tuple[float, int]:
+def run_ours_throughput(llm: LLM, prompts, max_tokens, timeline: bool = False):
+    """-> (seconds, output tokens, the step timeline's summary or None)."""
     llm.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    records = attach_timeline(llm) if timeline else None
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     sync()
     start = time.perf_counter()
@@ -99,7 +101,65 @@ def run_ours_throughput(llm: LLM, prompts, max_tokens) -> tuple[float, int]:
     seconds = time.perf_counter() - start
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(max_tokens), "ignore_eos: every request must produce max_tokens"
-    return seconds, n_out
+    return seconds, n_out, timeline_summary(records) if records else None
+
+
+# Decode steps by batch size (the graphs' buckets are multiples of 16): where the workload's time goes.
+TIMELINE_BINS = (16, 64, 128, 192, 256, 10**9)
+
+
+def attach_timeline(llm: LLM) -> list:
+    """Record CUDA events around every step ``llm`` launches from now on (rank 0's stream).
+
+    -> the list it fills with (prefill tokens, decodes, start event, end event). The events cost
+    the host nothing it waits on: read them after the run (``timeline_summary``)."""
+    runner, records = llm.model_runner, []
+    plain = runner.launch
+
+    def launch(batch):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = plain(batch)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        records.append((batch.num_prefill_tokens, len(batch.decodes), start, end))
+        return pending
+
+    runner.launch = launch  # run() and the overlapped loop both go through it
+    return records
+
+
+def timeline_summary(records: list) -> dict:
+    """GPU time of the steps that carry prefill tokens and of the decode-only steps by batch
+    size, and the device's idle time between steps (host-bound gaps), from ``attach_timeline``."""
+    sync()
+    rows = {}  # bin -> [steps, ms, tokens]
+    idle_ms, prev = 0.0, None
+    for n_pre, n_dec, start, end in records:
+        ms = start.elapsed_time(end)
+        if prev is not None:
+            idle_ms += max(0.0, prev.elapsed_time(start))
+        prev = end
+        key = "prefill" if n_pre else next(b for b in TIMELINE_BINS if n_dec <= b)
+        r = rows.setdefault(key, [0, 0.0, 0])
+        r[0] += 1
+        r[1] += ms
+        r[2] += n_dec
+    wall_ms = records[0][2].elapsed_time(records[-1][3]) if records else 0.0
+    print(f"\nstep timeline ({len(records)} steps, device wall {wall_ms:,.0f} ms, idle between "
+          f"steps {idle_ms:,.1f} ms):\n  | steps | count | GPU ms | share | ms/step | decode "
+          f"tokens | tok/s |\n  |---|---|---|---|---|---|---|")
+    out = {}
+    for i, key in enumerate(["prefill"] + list(TIMELINE_BINS)):
+        if key not in rows:
+            continue
+        n, ms, tok = rows[key]
+        label = ("with prefill tokens" if key == "prefill"
+                 else f"decode {(TIMELINE_BINS[i - 2] if i > 1 else 0) + 1}..{key}")
+        print(f"  | {label} | {n} | {ms:,.1f} | {ms / max(wall_ms, 1e-9):.1%} | {ms / n:.2f} | "
+              f"{tok} | {tok / max(ms, 1e-9) * 1e3:,.0f} |")
+        out[str(key)] = dict(steps=n, ms=ms, decode_tokens=tok)
+    return dict(timeline=out, timeline_wall_ms=wall_ms, timeline_idle_ms=idle_ms)
 
 
 def run_ours_batch1(llm: LLM, prompt, new_tokens: int) -> tuple[float, float]:
@@ -285,6 +345,9 @@ def main(argv=None):
     p.add_argument("--profile-context", type=int, default=512)
     p.add_argument("--profile-overlap", action="store_true",
                    help="profile the steps of the overlapped generate loop instead of step()")
+    p.add_argument("--timeline", action="store_true",
+                   help="workload: also time every step on the device (CUDA events) and print "
+                        "where the time goes: prefill steps, decode steps by batch size, idle")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
@@ -358,7 +421,8 @@ def main(argv=None):
             llm = make_llm(path, args, dummy)
             vocab = llm.config.hf_config.vocab_size
             prompts = [[t % vocab for t in p] for p in prompts]  # only the tiny demo vocab wraps
-            seconds, n_out = run_ours_throughput(llm, prompts, max_tokens)
+            timeline = args.timeline and torch.cuda.is_available()
+            seconds, n_out, steps = run_ours_throughput(llm, prompts, max_tokens, timeline)
             sched = llm.scheduler
             stats = dict(steps=sched.num_steps, preemptions=sched.num_preemptions,
                          partial_prefills=sched.num_partial_prefills)
@@ -370,7 +434,7 @@ def main(argv=None):
                   f"{n_out} output tokens:")
             print(f"  ours: {seconds:.2f} s, {tps:,.0f} output tok/s  ({stats})")
             result.update(mode="throughput", num_seqs=args.num_seqs, output_tokens=n_out,
-                          seconds=seconds, tok_s=tps, **stats)
+                          seconds=seconds, tok_s=tps, **stats, **(steps or {}))
             if args.baseline == "hf" and not torch.cuda.is_available():
                 print("  transformers' continuous batching sizes its cache from GPU memory and "
                       "does not run on CPU: baseline skipped")

@@ -371,22 +371,19 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
     const char* variant = std::getenv("QWEN3_PREFILL_VARIANT");
     if (variant != nullptr && std::strcmp(variant, "sm90") == 0)
       return prefill::launch_sm90(p, batch, max_seqlen_q, dtype, stream);
-    if (variant != nullptr) {
-      if (std::strcmp(variant, "ws") == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                       prefill::WsVariant::kStages2, stream);
-      if (std::strcmp(variant, "ws3") == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                       prefill::WsVariant::kStages3, stream);
-      if (std::strcmp(variant, "ws_nopp") == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                       prefill::WsVariant::kNoPingpong, stream);
-      if (std::strcmp(variant, "ws3_nopp") == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                       prefill::WsVariant::kStages3NoPingpong, stream);
-      if (std::strcmp(variant, "ws3p") == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                       prefill::WsVariant::kStages3Persistent, stream);
+    static constexpr struct {
+      const char* name;
+      prefill::WsVariant variant;
+    } kWsVariants[] = {
+        {"ws", prefill::WsVariant::kStages2},
+        {"ws3", prefill::WsVariant::kStages3},
+        {"ws_nopp", prefill::WsVariant::kNoPingpong},
+        {"ws3_nopp", prefill::WsVariant::kStages3NoPingpong},
+        {"ws3p", prefill::WsVariant::kStages3Persistent},
+    };
+    for (const auto& v : kWsVariants) {
+      if (variant != nullptr && std::strcmp(variant, v.name) == 0)
+        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, v.variant, stream);
     }
     constexpr int kPersistentMaxSeqlenQ = 8192;
     return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,

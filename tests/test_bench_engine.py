@@ -29,3 +29,34 @@ def test_refuses_gpu_without_the_extension(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "extension is not loaded" in err and "--allow-reference" in err
+
+
+class _Event:
+    """A recorded CUDA event stand-in: a time stamp in ms."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.t - self.t
+
+
+def test_timeline_summary_bins_steps_and_counts_idle(monkeypatch, capsys):
+    bench = _bench_engine()
+    monkeypatch.setattr(bench, "sync", lambda: None)
+    # (prefill tokens, decodes, start, end): a prefill step, decode steps of 3, 16, 17 and 200
+    # sequences, with 1 ms idle before the second step and 0.5 ms before the last
+    stamps = [(500, 2, 0.0, 100.0), (0, 3, 101.0, 106.0), (0, 16, 106.0, 112.0),
+              (0, 17, 112.0, 119.0), (0, 200, 119.5, 131.5)]
+    records = [(p, d, _Event(a), _Event(b)) for p, d, a, b in stamps]
+    out = bench.timeline_summary(records)
+    assert out["timeline_wall_ms"] == pytest.approx(131.5)
+    assert out["timeline_idle_ms"] == pytest.approx(1.5)
+    t = out["timeline"]
+    assert t["prefill"] == dict(steps=1, ms=pytest.approx(100.0), decode_tokens=2)
+    assert t["16"] == dict(steps=2, ms=pytest.approx(11.0), decode_tokens=19)  # 3 and 16
+    assert t["64"] == dict(steps=1, ms=pytest.approx(7.0), decode_tokens=17)
+    assert t["256"] == dict(steps=1, ms=pytest.approx(12.0), decode_tokens=200)
+    assert "128" not in t and "192" not in t
+    text = capsys.readouterr().out
+    assert "| decode 1..16 | 2 |" in text and "| decode 193..256 | 1 |" in text

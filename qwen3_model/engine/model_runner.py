@@ -157,10 +157,11 @@ def _prefer_cublaslt(use_cuda: bool):
     """torch's matmuls through cuBLASLt while the model runs (the projections that
     qwen3_kernels.linear hands to at::mm, and the LM head), restored after.
 
-    Measured (H200, Qwen3-8B workload, alternating in one call, RESULTS.md tenth session): 10,011 /
-    10,000 tok/s against 9,920 / 9,952 with cuBLAS: at decode batches of 65..256 cuBLASLt's picks
-    are the same nvjet kernels without cuBLAS's split-K reduce after down_proj, and o_proj at 256
-    tokens runs 16.8 against 18.4 us. Only while the model runs, so a program that embeds the
+    Measured (H200, Qwen3-8B workload, alternating in one call, two machines, RESULTS.md tenth
+    session): 10,011 / 10,000 tok/s against 9,920 / 9,952 with cuBLAS, and 9,760 / 9,731 against
+    9,675 / 9,655: every decode step ~1% faster (at 128 sequences o and down run nvjet 64x64
+    without cuBLAS's split-K reduce after down; o at 256 tokens 16.8 against 18.4 us), prefill
+    steps equal. Only while the model runs, so a program that embeds the
     engine keeps its own choice for its own matmuls; TORCH_BLAS_PREFER_CUBLASLT, when set, decides
     instead (torch reads it itself).
     """

@@ -161,9 +161,9 @@ def _prefer_cublaslt(use_cuda: bool):
     session): 10,011 / 10,000 tok/s against 9,920 / 9,952 with cuBLAS, and 9,760 / 9,731 against
     9,675 / 9,655: every decode step ~1% faster (at 128 sequences o and down run nvjet 64x64
     without cuBLAS's split-K reduce after down; o at 256 tokens 16.8 against 18.4 us), prefill
-    steps equal. Only while the model runs, so a program that embeds the
-    engine keeps its own choice for its own matmuls; TORCH_BLAS_PREFER_CUBLASLT, when set, decides
-    instead (torch reads it itself).
+    steps equal. Only while the model runs, so a program that embeds the engine keeps its own
+    choice for its own matmuls; TORCH_BLAS_PREFER_CUBLASLT, when set, decides instead (torch reads
+    it itself). torch warns once per process that the setting is experimental.
     """
     if not use_cuda or "TORCH_BLAS_PREFER_CUBLASLT" in os.environ:
         yield
@@ -658,6 +658,7 @@ class ModelRunner:
             return self._logits(plan, hidden)
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head over the step's sampled rows of ``hidden`` [T, hidden] (forward_plan)."""
         if plan.sample_rows is None:
             last = hidden  # every token is sampled (decode-only steps): no gather
         elif len(plan.sample_rows) == 0:

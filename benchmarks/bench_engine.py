@@ -256,6 +256,46 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
                 gpu_us=gpu_us, ideal_us=ideal_us, graph_steps=replayed)
 
 
+def run_prefill_profile(llm: LLM, num_seqs: int, context: int, top: int = 16) -> dict:
+    """Profile one prefill step: ``num_seqs`` waiting prompts of ``context`` tokens, as many as
+    the step's token budget admits (the workload's first steps are such steps): kernel by kernel,
+    the GPU time of the step and its matmul FLOPs against cuBLAS's measured 739 TFLOP/s."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = llm.config.hf_config.vocab_size
+    rng = random.Random(2)
+    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4)
+    llm.generate([[1, 2, 3, 4] * 64] * 4, sp, use_tqdm=False)  # warm-up: eager kernels, autotuning
+    for i in range(num_seqs):
+        llm.add_request([rng.randrange(min(vocab, 10000)) for _ in range(context)], sp, i)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        _, n_pre, n_dec = llm.step()
+        sync()
+        wall_us = 1e6 * (time.perf_counter() - t0)
+    llm.scheduler.abort_all()
+    rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0
+                   and getattr(e, "device_type", None) == DeviceType.CUDA),
+                  key=lambda e: -e.self_device_time_total)
+    gpu_us = sum(e.self_device_time_total for e in rows)
+    cfg = llm.config.hf_config
+    params = sum(p.numel() for p in llm.model_runner.model.parameters())
+    params -= 2 * cfg.vocab_size * cfg.hidden_size  # the embedding and the LM head: not per token
+    matmul_tflop = 2 * n_pre * params / 1e12
+    print(f"\nprefill step profile: {n_pre} prefill tokens ({num_seqs} prompts of {context} "
+          f"offered), {n_dec} decodes; wall {wall_us / 1e3:,.1f} ms, GPU kernels "
+          f"{gpu_us / 1e3:,.1f} ms; the projections' {matmul_tflop:,.0f} TFLOP at 739 TFLOP/s "
+          f"= {matmul_tflop / 739 * 1e3:,.1f} ms")
+    print("  | kernel | calls | ms | share |\n  |---|---|---|---|")
+    for e in rows[:top]:
+        name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
+        print(f"  | `{name}` | {e.count} | {e.self_device_time_total / 1e3:,.2f} | "
+              f"{e.self_device_time_total / gpu_us:.1%} |")
+    return dict(mode="profile_prefill", prefill_tokens=n_pre, wall_us=wall_us, gpu_us=gpu_us)
+
+
 # ---- transformers -----------------------------------------------------------------------------
 
 def hf_model(path: str, dtype, attn: str | None):
@@ -343,6 +383,9 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="profile decode steps of --num-seqs sequences at --profile-context tokens")
     p.add_argument("--profile-context", type=int, default=512)
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="with --profile: one prefill step of --num-seqs prompts of "
+                        "--profile-context tokens instead of decode steps")
     p.add_argument("--profile-overlap", action="store_true",
                    help="profile the steps of the overlapped generate loop instead of step()")
     p.add_argument("--timeline", action="store_true",
@@ -388,8 +431,11 @@ def main(argv=None):
 
         if args.profile:
             llm = make_llm(path, args, dummy)
-            result.update(run_profile(llm, args.num_seqs, args.profile_context,
-                                      overlap=args.profile_overlap))
+            if args.profile_prefill:
+                result.update(run_prefill_profile(llm, args.num_seqs, args.profile_context))
+            else:
+                result.update(run_profile(llm, args.num_seqs, args.profile_context,
+                                          overlap=args.profile_overlap))
             llm.close()
         elif args.batch1:
             llm = make_llm(path, args, dummy)

@@ -66,4 +66,13 @@ int gemv_default_rows_per_warp(int64_t m, int64_t n);
 // [m, I] = silu(gate) * up (linear_silu_and_mul). rows_per_warp 2 or 4 (0 = the default, >= 2).
 cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp);
 
+// Hand-written weight-streaming wgmma kernel (qkv_gemm_stream.cu), m <= 128, no workspace: a CTA
+// owns 256 weight rows and every token; the K splits of one row block form a cluster and reduce
+// through distributed shared memory. sm_90a only. num_splits in [1, 8] (see
+// stream_default_splits).
+constexpr int kStreamMaxM = 128;
+cudaError_t stream_gemm(const Problem& p, bool bf16, int num_splits);
+// One wave of one CTA per SM, at most 8 splits, at least two 64-column K blocks per split.
+int stream_default_splits(int64_t n, int64_t k, int sm_count);
+
 }  // namespace qwen3_kernels::qkv_gemm_detail

@@ -24,7 +24,7 @@
 // QWEN3_QKV_GEMM_FORCE=<config>[:<mode>] overrides the table for every call (read per call, so a
 // benchmark can compare configurations in one process): <mode> is heuristic | dp | streamk |
 // split<S> for the CUTLASS configs, the split count S (1..8) for the splitk ones (without it,
-// splitk_default_splits; for stream, stream_default_splits) and the weight rows per warp R (1, 2, 4) for gemv (without it,
+// splitk_default_splits; for stream, the most whose clusters are all resident) and the weight rows per warp R (1, 2, 4) for gemv (without it,
 // gemv_default_rows_per_warp). A forced config that cannot run the problem (splitk with M > 64,
 // gemv with M > 8) makes the call fail with cudaErrorNotSupported.
 #include <algorithm>
@@ -326,10 +326,7 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
     case Config::kGemv:
       return gemv_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
     case Config::kStream:
-      return stream_gemm(p, bf16,
-                         p.decomposition == Decomposition::kSplitK && p.splits > 0
-                             ? p.splits
-                             : stream_default_splits(p.n, p.k, p.sm_count));
+      return stream_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
     case Config::kCublas:  // the caller runs cuBLAS (it asks qkv_gemm_prefers_cublas first)
       return cudaErrorNotSupported;
   }

@@ -68,11 +68,9 @@ cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp);
 
 // Hand-written weight-streaming wgmma kernel (qkv_gemm_stream.cu), m <= 128, no workspace: a CTA
 // owns 256 weight rows and every token; the K splits of one row block form a cluster and reduce
-// through distributed shared memory. sm_90a only. num_splits in [1, 8] (see
-// stream_default_splits).
+// through distributed shared memory; TMA loads. sm_90a only. num_splits in [1, 8], or 0: the most
+// splits whose clusters are all resident at once.
 constexpr int kStreamMaxM = 128;
 cudaError_t stream_gemm(const Problem& p, bool bf16, int num_splits);
-// One wave of one CTA per SM, at most 8 splits, at least two 64-column K blocks per split.
-int stream_default_splits(int64_t n, int64_t k, int sm_count);
 
 }  // namespace qwen3_kernels::qkv_gemm_detail

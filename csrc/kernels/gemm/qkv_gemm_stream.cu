@@ -24,14 +24,18 @@
 // Requires K % 8 == 0 and N % 8 == 0 (16-byte rows); rows past N and tokens past M are zero-filled
 // at load and never stored. sm_90a only: the sm_80 pass compiles an empty body.
 #include <cooperative_groups.h>
+#include <cuda.h>  // CUtensorMap (the encode function comes through the runtime's entry point)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
 
 #include "qkv_gemm_configs.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 namespace qwen3_kernels::qkv_gemm_detail {
 namespace {
@@ -69,6 +73,21 @@ __device__ __forceinline__ void wgmma_rows64(float (&d)[kTokens / 2], uint64_t d
   }
 }
 
+// The producer's TMA: one thread asks for a stage's bytes on the stage's "full" barrier, then loads
+// a [rows, 64] box (128-byte swizzle, out-of-range rows / columns zero-filled) into it.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int col, int row,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(bar)
+      : "memory");
+}
+
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -81,9 +100,9 @@ __device__ __forceinline__ void cluster_wait() {
 // cluster), blockIdx.y the row block.
 template <typename T, int kTokens>
 __global__ void __launch_bounds__(kThreads, 1)
-    stream_kernel(T* __restrict__ out,        // [m, n]
-                  const T* __restrict__ x,    // [m, k], m <= kTokens
-                  const T* __restrict__ w,    // [n, k]
+    stream_kernel(T* __restrict__ out,                   // [m, n]
+                  const __grid_constant__ CUtensorMap x_map,  // x [m, k], m <= kTokens; box 64 x kTokens
+                  const __grid_constant__ CUtensorMap w_map,  // w [n, k]; box 64 x 256
                   int m, int n, int k,
                   int kb_per_split) {         // 64-column blocks of K per split
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -92,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t ring = (raw_addr + 1023) & ~1023u;  // the 128-byte swizzle needs 1 KiB alignment
   uint8_t* ring_ptr = smem_raw + (ring - raw_addr);
-  const uint32_t bar_full = ring + S::kStages * S::kStageBytes;  // [kStages]: 128 producer arrivals
+  const uint32_t bar_full = ring + S::kStages * S::kStageBytes;  // [kStages]: TMA bytes
   const uint32_t bar_empty = bar_full + 8 * S::kStages;          // [kStages]: 8 consumer warps
 
   const int tid = threadIdx.x;
@@ -105,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < S::kStages; ++s) {
-      mbar_init(bar_full + 8 * s, 128);
+      mbar_init(bar_full + 8 * s, 1);
       mbar_init(bar_empty + 8 * s, 8);
     }
     mbar_init_fence();
@@ -113,38 +132,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: thread t copies 16-byte chunk c = t % 8 of rows t / 8 + 16 i ----
+    // ---- producer: one thread issues the TMA loads of every stage ----
     regs_dealloc<kProducerRegs>();
-    const int c = tid & 7, r0 = tid >> 3;
-    // rows r0 + 16 i all have r & 7 == r0 & 7: one swizzled chunk offset for all of them
-    const uint32_t swz = static_cast<uint32_t>(r0 * 128 + ((c ^ (r0 & 7)) << 4));
-    const T* w_row = w + static_cast<int64_t>(n0 + r0) * k + c * 8;
-    const T* x_row = x + static_cast<int64_t>(r0) * k + c * 8;
-    const int64_t step16 = static_cast<int64_t>(16) * k;  // 16 rows down
-    const int w_rows = n - n0 - r0;  // this thread's rows r0 + 16 i exist while 16 i < w_rows
-    const int x_rows = m - r0;
-    for (int s = 0; s < steps; ++s) {
-      const int stage = s % S::kStages;
-      mbar_wait(bar_empty + 8 * stage, ((s / S::kStages) & 1) ^ 1);  // fresh: returns at once
-      const int col = (kb0 + s) * kBlockK;
-      const bool col_ok = col + c * 8 < k;
-      const uint32_t ws = ring + stage * S::kStageBytes + swz;
-      const uint32_t xs = ring + stage * S::kStageBytes + kWBytes + swz;
-      // Running pointers and a partial unroll: a full unroll hoisted 24 64-bit addresses and
-      // predicates out of the loop and spilled them (the producer has 40 registers).
-      const T* src = w_row + col;
-#pragma unroll 4
-      for (int i = 0; i < kRows / 16; ++i, src += step16) {
-        const bool ok = col_ok && 16 * i < w_rows;
-        cp_async_16(ws + i * 16 * 128, ok ? src : w, ok);
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
+      for (int s = 0; s < steps; ++s) {
+        const int stage = s % S::kStages;
+        mbar_wait(bar_empty + 8 * stage, ((s / S::kStages) & 1) ^ 1);  // fresh: returns at once
+        const uint32_t full = bar_full + 8 * stage;
+        const uint32_t ws = ring + stage * S::kStageBytes;
+        const int col = (kb0 + s) * kBlockK;
+        mbar_expect_tx(full, S::kStageBytes);  // both boxes, zero-filled parts included
+        tma_load_2d(ws, &w_map, col, n0, full);
+        tma_load_2d(ws + kWBytes, &x_map, col, 0, full);
       }
-      src = x_row + col;
-#pragma unroll 4
-      for (int i = 0; i < kTokens / 16; ++i, src += step16) {
-        const bool ok = col_ok && 16 * i < x_rows;
-        cp_async_16(xs + i * 16 * 128, ok ? src : x, ok);
-      }
-      cp_async_mbar_arrive(bar_full + 8 * stage);
     }
     // the consumers wait for every stage, so all copies have landed before the ring is reused
     cluster_arrive();  // partials written (by the consumers)
@@ -167,7 +169,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int s = 0; s < steps; ++s) {
     const int stage = s % S::kStages;
     mbar_wait(bar_full + 8 * stage, (s / S::kStages) & 1);
-    fence_proxy_async();  // the cp.async writes (generic proxy) -> visible to wgmma (async proxy)
     const uint32_t ws = ring + stage * S::kStageBytes + c * (128 * 128);
     const uint32_t xs = ring + stage * S::kStageBytes + kWBytes;
     wgmma_fence();
@@ -186,6 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   fence_regs(acc[0]);
   fence_regs(acc[1]);
   named_bar_sync(1, 256);  // both warpgroups done with the ring: it becomes the partial tile
+  fence_proxy_async();     // generic writes below, after the TMA's (async proxy) into the same bytes
 
   // Partial tile red[token][row] (fp32): lane (g, t4) of warp w4 holds rows 16 w4 + g (+ 8) of
   // each m64 block and tokens 8 j8 + 2 t4 (+ 1).
@@ -234,17 +236,92 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A row-major [rows, cols] 16-bit matrix read in [box_rows, 64] boxes, 128-byte swizzled.
+bool make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int box_rows,
+              bool bf16) {
+  const auto encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Clusters of `splits` CTAs that can be resident at once (cudaOccupancyMaxActiveClusters: a
+// cluster must fit in one GPC, one CTA per SM), asked once per instantiation and split count.
+template <typename T, int kTokens>
+int max_active_clusters(int splits) {
+  static std::atomic<int> cached[9];  // 0 = not asked yet
+  int v = cached[splits].load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(splits, 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = StreamShape<kTokens>::kSmemBytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaOccupancyMaxActiveClusters(&v, stream_kernel<T, kTokens>, &cfg) != cudaSuccess || v < 1) {
+    cudaGetLastError();
+    return 0;
+  }
+  cached[splits].store(v, std::memory_order_relaxed);
+  return v;
+}
+
 template <typename T, int kTokens>
 cudaError_t launch(const Problem& p, int splits) {
   using S = StreamShape<kTokens>;
-  const int k = static_cast<int>(p.k);
-  const int num_kb = (k + kBlockK - 1) / kBlockK;
-  const int kb_per_split = (num_kb + splits - 1) / splits;
-  splits = (num_kb + kb_per_split - 1) / kb_per_split;  // no split without K blocks
   auto* kernel = stream_kernel<T, kTokens>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
   if (err != cudaSuccess) return err;
+  const int k = static_cast<int>(p.k);
+  const int num_kb = (k + kBlockK - 1) / kBlockK;
+  const int row_blocks = static_cast<int>((p.n + kRows - 1) / kRows);
+  if (splits == 0) {
+    // The default: the most splits (<= 8, >= two K blocks each) whose clusters are all resident
+    // at once: one wave, every CTA streaming from the start.
+    splits = 1;
+    for (int s = 8; s > 1; --s) {
+      if (num_kb >= 2 * s && row_blocks <= max_active_clusters<T, kTokens>(s)) {
+        splits = s;
+        break;
+      }
+    }
+  }
+  const int kb_per_split = (num_kb + splits - 1) / splits;
+  splits = (num_kb + kb_per_split - 1) / kb_per_split;  // no split without K blocks
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  CUtensorMap x_map, w_map;
+  if (!make_map(&x_map, p.x, p.m, p.k, kTokens, kBf16) ||
+      !make_map(&w_map, p.w, p.n, p.k, kRows, kBf16)) {
+    return cudaErrorNotSupported;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(splits, static_cast<unsigned>((p.n + kRows - 1) / kRows), 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
@@ -257,8 +334,8 @@ cudaError_t launch(const Problem& p, int splits) {
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<T*>(p.out), static_cast<const T*>(p.x),
-                            static_cast<const T*>(p.w), static_cast<int>(p.m),
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<T*>(p.out), x_map, w_map,
+                            static_cast<int>(p.m),
                             static_cast<int>(p.n), k, kb_per_split);
 }
 
@@ -270,18 +347,8 @@ cudaError_t launch_for_m(const Problem& p, int splits) {
 
 }  // namespace
 
-int stream_default_splits(int64_t n, int64_t k, int sm_count) {
-  // One wave of CTAs (one per SM: ~200 KB of shared memory each), at most 8 per cluster, and at
-  // least two 64-column blocks of K per split.
-  const int64_t row_blocks = (n + kRows - 1) / kRows;
-  int s = static_cast<int>(std::max<int64_t>(1, std::max(1, sm_count) / row_blocks));
-  s = std::min(s, 8);
-  while (s > 1 && k < static_cast<int64_t>(s) * 2 * kBlockK) --s;
-  return s;
-}
-
 cudaError_t stream_gemm(const Problem& p, bool bf16, int splits) {
-  if (p.m < 1 || p.m > kStreamMaxM || splits < 1 || splits > 8) return cudaErrorNotSupported;
+  if (p.m < 1 || p.m > kStreamMaxM || splits < 0 || splits > 8) return cudaErrorNotSupported;
   if (p.n % 8 != 0 || p.k % 8 != 0 || p.k > (int64_t{1} << 30) || p.n > (int64_t{1} << 30)) {
     return cudaErrorNotSupported;
   }

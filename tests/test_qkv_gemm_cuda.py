@@ -185,6 +185,44 @@ def test_qkv_gemm_stream_writes_only_its_output(t, force):
         assert buf[0].isnan().all() and buf[t + 1].isnan().all()
 
 
+@pytest.mark.parametrize("t", [16, 128])
+def test_qkv_gemm_stream_pdl_orders_after_the_previous_kernel(t, force):
+    # The stream kernel is launched with PDL and asks for its first weight stages before it waits
+    # for the kernel before it: x written by that kernel must still be read new, and a second
+    # stream GEMM (started early by the first one's launch_dependents) must read the first one's
+    # finished output. The weights are written by an earlier kernel (not the one right before: the
+    # contract). Eager and in a graph, with new inputs each replay.
+    force("stream")
+    n1, k1, n2 = 4104, 4096, 1032
+    x_new, w1 = _inputs(t, n1, k1, torch.bfloat16, seed=11)
+    _, w2 = _inputs(t, n2, n1, torch.bfloat16, seed=12)
+    x = torch.zeros_like(x_new)
+    mid = torch.full((t, n1), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((t, n2), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.mul(x_new, 1.0, out=x)  # a kernel writing x right before the GEMM
+        torch.ops.qwen3_kernels.qkv_gemm(mid, x, w1)
+        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
+
+    step()
+    torch.cuda.synchronize()
+    _check(x_new, w1, mid)
+    _check(mid, w2, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for seed in (1, 2):
+        x_new.copy_(_inputs(t, n1, k1, torch.bfloat16, seed=seed)[0])
+        x.zero_()
+        mid.fill_(float("nan"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(x_new, w1, mid)
+        _check(mid, w2, out)
+
+
 def test_qkv_gemm_in_a_cuda_graph(force):
     # Decode runs from captured graphs: the stream-K workspace comes from the caching allocator
     # and the barrier reset is a memset node, so replays must stay correct with fresh inputs.

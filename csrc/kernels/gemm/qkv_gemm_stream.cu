@@ -14,10 +14,13 @@
 //     ways (S <= 8); the S CTAs of one row block form a thread-block cluster and reduce their fp32
 //     partials through distributed shared memory at the end: one launch, no workspace, no memset
 //     node in a graph, deterministic.
-//   - One producer warpgroup streams 64-column stages of w and x into a ring of shared memory with
-//     16-byte cp.async in the 128-byte-swizzle layout wgmma reads (as prefill_sm90_ws.cu does) and
-//     signals a "full" mbarrier per stage; the two consumer warpgroups issue wgmma on a stage,
-//     keep one stage's wgmma in flight, and release the stage before that ("empty" mbarrier).
+//   - One producer thread streams 64-column stages of w and x into a ring of shared memory with
+//     TMA (128-byte swizzle, the layout wgmma reads; edges zero-filled) onto a "full" mbarrier per
+//     stage; the two consumer warpgroups issue wgmma on a stage, keep one stage's wgmma in flight,
+//     and release the stage before that ("empty" mbarrier). (16-byte cp.async from a producer
+//     warpgroup, as in prefill_sm90_ws.cu, read the weight at 1.2-2.4 TB/s here; TMA 1.9-3.4.)
+//   - Launched with PDL: the first ring-full of weight is requested before griddepcontrol.wait,
+//     so it streams while the kernel before finishes (the launch gap and ramp of a ~15 us GEMM).
 //   - The output leaves through shared memory: each CTA writes its partial tile [tokens][rows]
 //     into the (then idle) ring, and rank q of the cluster sums the partials of its share of the
 //     tokens from every CTA and stores contiguous rows of out.
@@ -35,6 +38,7 @@
 #include "qkv_gemm_configs.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
+#include "qwen3_kernels/tuning.cuh"  // pdl_wait, pdl_launch_dependents
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 namespace qwen3_kernels::qkv_gemm_detail {
@@ -137,16 +141,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&w_map)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
-      for (int s = 0; s < steps; ++s) {
+      // Launched with PDL: the CTAs may start while the kernel before (the norm, the attention,
+      // silu_and_mul) still runs. The weight is no kernel's output during a forward, so the
+      // first ring-full of it is asked for before griddepcontrol.wait; x (that kernel's output)
+      // only after it. Every other read and the output follow x, so they follow the wait too.
+      const int early = min(steps, S::kStages);
+      for (int s = 0; s < early; ++s) {
+        const uint32_t full = bar_full + 8 * s;
+        mbar_expect_tx(full, S::kStageBytes);  // both boxes, zero-filled parts included
+        tma_load_2d(ring + s * S::kStageBytes, &w_map, (kb0 + s) * kBlockK, n0, full);
+      }
+      pdl_wait();
+      for (int s = 0; s < early; ++s) {
+        tma_load_2d(ring + s * S::kStageBytes + kWBytes, &x_map, (kb0 + s) * kBlockK, 0,
+                    bar_full + 8 * s);
+      }
+      for (int s = early; s < steps; ++s) {
         const int stage = s % S::kStages;
-        mbar_wait(bar_empty + 8 * stage, ((s / S::kStages) & 1) ^ 1);  // fresh: returns at once
+        mbar_wait(bar_empty + 8 * stage, ((s / S::kStages) & 1) ^ 1);
         const uint32_t full = bar_full + 8 * stage;
         const uint32_t ws = ring + stage * S::kStageBytes;
         const int col = (kb0 + s) * kBlockK;
-        mbar_expect_tx(full, S::kStageBytes);  // both boxes, zero-filled parts included
+        mbar_expect_tx(full, S::kStageBytes);
         tma_load_2d(ws, &w_map, col, n0, full);
         tma_load_2d(ws + kWBytes, &x_map, col, 0, full);
       }
+      pdl_launch_dependents();  // the next kernel may be scheduled; its own wait orders it after us
     }
     // the consumers wait for every stage, so all copies have landed before the ring is reused
     cluster_arrive();  // partials written (by the consumers)
@@ -207,6 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  pdl_wait();  // (already true: x, loaded after the producer's wait, came first; cheap insurance)
   cluster_arrive();  // partials written and visible cluster-wide
   cluster_wait();
 
@@ -217,14 +238,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = tok_lo * 64 + ctid; i < tok_hi * 64; i += 256) {
     const int tok = i >> 6, r4 = (i & 63) * 4;
     if (n0 + r4 >= n) continue;  // n % 8 == 0: a group of 4 is all in or all out
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q = 0; q < splits; ++q) {
-      const float* part = cluster.map_shared_rank(red, q);
-      const float4 v = *reinterpret_cast<const float4*>(part + tok * kRedStride + r4);
-      sum.x += v.x;
-      sum.y += v.y;
-      sum.z += v.z;
-      sum.w += v.w;
+    // All S loads first, then the sum: a loop of dependent remote loads took microseconds.
+    float4 v[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (q < splits) {
+        v[q] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + tok * kRedStride +
+                                                r4);
+      }
+    }
+    float4 sum = v[0];
+#pragma unroll
+    for (int q = 1; q < 8; ++q) {
+      if (q < splits) {
+        sum.x += v[q].x;
+        sum.y += v[q].y;
+        sum.z += v[q].z;
+        sum.w += v[q].w;
+      }
     }
     T o[4] = {from_float<T>(sum.x), from_float<T>(sum.y), from_float<T>(sum.z),
               from_float<T>(sum.w)};
@@ -327,13 +358,15 @@ cudaError_t launch(const Problem& p, int splits) {
   cfg.blockDim = dim3(kThreads, 1, 1);
   cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = p.stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = splits;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = 2;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<T*>(p.out), x_map, w_map,
                             static_cast<int>(p.m),
                             static_cast<int>(p.n), k, kb_per_split);

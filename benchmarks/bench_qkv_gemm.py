@@ -296,3 +296,30 @@ def test_projection_sweep(tp, proj, t, report):
     line = ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(times.items(), key=lambda i: i[1]))
     print(f"\n[sweep] 8B tp{tp} {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} us; {line}; "
           f"best {best} {base / times[best]:.2f}x, auto {base / times['auto']:.2f}x")
+
+
+# The wgmma streaming kernel (qkv_gemm_stream.cu, M <= 128: 256 weight rows x all tokens a CTA,
+# K split over a cluster) against cuBLAS on Qwen3-8B's projections at the workload's decode batch
+# sizes, at its default split count and a few others. cuBLAS is timed again after ours (each its
+# best of two, alternating) against the order bias RESULTS.md (ninth session) found.
+STREAM_CASES = [(proj, t) for proj in ("qkv", "o", "down", "gate_up") for t in (16, 32, 64, 96, 128)]
+
+
+@pytest.mark.parametrize("proj,t", STREAM_CASES, ids=[f"8B-{p}-T{t}" for p, t in STREAM_CASES])
+def test_stream_vs_cublas(proj, t, report):
+    n, k = _linear_shapes("8B", 1)[proj]
+    sets = _sets(t, n, k)
+    base, run = _cublas_and_ours(sets)
+    times = {c: _with_force(c, run) for c in ("stream", "stream:2", "stream:4", "stream:6", "stream:8")}
+    calls = max(len(sets), 8)
+    base = min(base, time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
+                              calls_per_replay=calls))
+    times["stream"] = min(times["stream"], _with_force("stream", run))
+    best = min(times, key=times.get)
+    nbytes = (n * k + t * k + t * n) * 2
+    report("linear", f"8B {proj} N={n} K={k} T={t} stream", times["stream"], {"cublas": base},
+           nbytes=nbytes)
+    line = ", ".join(f"{c} {s * 1e6:.1f}" for c, s in sorted(times.items(), key=lambda i: i[1]))
+    print(f"\n[stream] 8B {proj} N={n} K={k} T={t}: cublas {base * 1e6:.1f} us "
+          f"({nbytes / base / 1e12:.2f} TB/s); {line}; stream {nbytes / times['stream'] / 1e12:.2f} "
+          f"TB/s, {base / times['stream']:.2f}x cublas; best {best} {base / times[best]:.2f}x")

@@ -94,6 +94,14 @@ FORCED = [
     for cfg in ("tile_128x128", "tile_128x256")
     for mode in ("heuristic", "dp", "streamk", "split2")
     for t, n, k in ((1, 4096, 1024), (65, 6144, 2560), (777, 4104, 1032), (2048, 10240, 5120))
+] + [
+    # the wgmma streaming kernel (M <= 128): 64- and 128-token tiles, a partial last row block
+    # (N = 4104, 520, 72), K tails (1032, 200, 2056), every split count incl. more splits than K
+    # blocks (K = 200 has 4), and Qwen3-8B's o / down shapes
+    (f"stream{splits}", t, n, k)
+    for splits in ("", ":1", ":3", ":8")
+    for t, n, k in ((1, 6144, 4096), (17, 4104, 1032), (64, 72, 2056), (65, 520, 200),
+                    (100, 4096, 12288), (128, 4104, 1032))
 ]
 
 
@@ -163,11 +171,64 @@ def test_qkv_gemm_gemv_writes_only_its_output(force):
         assert buf[0].isnan().all() and buf[t + 1].isnan().all()
 
 
+@pytest.mark.parametrize("t", [9, 64, 65, 128])
+def test_qkv_gemm_stream_writes_only_its_output(t, force):
+    # Token rows past M are zero-filled tile padding: none of them may be stored, nor anything
+    # past N in the partial last row block.
+    force("stream")
+    for n, k in ((72, 1032), (4104, 200)):
+        x, w = _inputs(t, n, k, torch.bfloat16, seed=t + n)
+        buf = torch.full((t + 2, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = buf[1 : t + 1]
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        _check(x, w, out)
+        assert buf[0].isnan().all() and buf[t + 1].isnan().all()
+
+
+@pytest.mark.parametrize("t", [16, 128])
+def test_qkv_gemm_stream_pdl_orders_after_the_previous_kernel(t, force):
+    # The stream kernel is launched with PDL and asks for its first weight stages before it waits
+    # for the kernel before it: x written by that kernel must still be read new, and a second
+    # stream GEMM (started early by the first one's launch_dependents) must read the first one's
+    # finished output. The weights are written by an earlier kernel (not the one right before: the
+    # contract). Eager and in a graph, with new inputs each replay.
+    force("stream")
+    n1, k1, n2 = 4104, 4096, 1032
+    x_new, w1 = _inputs(t, n1, k1, torch.bfloat16, seed=11)
+    _, w2 = _inputs(t, n2, n1, torch.bfloat16, seed=12)
+    x = torch.zeros_like(x_new)
+    mid = torch.full((t, n1), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.full((t, n2), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        torch.mul(x_new, 1.0, out=x)  # a kernel writing x right before the GEMM
+        torch.ops.qwen3_kernels.qkv_gemm(mid, x, w1)
+        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
+
+    step()
+    torch.cuda.synchronize()
+    _check(x_new, w1, mid)
+    _check(mid, w2, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for seed in (1, 2):
+        x_new.copy_(_inputs(t, n1, k1, torch.bfloat16, seed=seed)[0])
+        x.zero_()
+        mid.fill_(float("nan"))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _check(x_new, w1, mid)
+        _check(mid, w2, out)
+
+
 def test_qkv_gemm_in_a_cuda_graph(force):
     # Decode runs from captured graphs: the stream-K workspace comes from the caching allocator
     # and the barrier reset is a memset node, so replays must stay correct with fresh inputs.
     n, k = QKV_SHAPES["8B"]
-    for config in ("auto", "splitk", "splitk_pdl", "swap_128x64:streamk", "tile_128x128:streamk"):
+    for config in ("auto", "splitk", "splitk_pdl", "stream", "swap_128x64:streamk",
+                   "tile_128x128:streamk"):
         force(config)
         x, w = _inputs(16, n, k, torch.bfloat16)
         out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
@@ -271,6 +332,11 @@ def test_qkv_gemm_rejects_misaligned_and_refused(force):
     x, w = _inputs(65, 64, 64, torch.bfloat16)
     out = torch.empty(65, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot run M=65"):
+        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    force("stream")  # M <= 128 only
+    x, w = _inputs(129, 64, 64, torch.bfloat16)
+    out = torch.empty(129, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot run M=129"):
         torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
     force("gemv")  # M <= 8 only
     x, w = _inputs(9, 64, 64, torch.bfloat16)

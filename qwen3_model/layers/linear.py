@@ -36,15 +36,22 @@ from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_worl
 # The MLP's gate_up projection and its activation as one op (linear_silu_and_mul: the GEMV with
 # silu_and_mul at its end, one launch and no [T, 2I] round trip) wherever the GEMV runs;
 # QWEN3_FUSE_GATE_UP_SILU=0 runs the two ops, to compare.
+# QWEN3_STREAM_MAX_M=T (an experiment, off by default): every projection with 2..T tokens calls the
+# op too, whose dispatcher then runs the wgmma streaming kernel (qkv_gemm_stream.cu) on weights
+# of at most QWEN3_STREAM_MAX_N rows (8192: qkv, o, down of Qwen3-8B; not gate_up, the LM head).
+# Measured (H200, tenth session): the 8B workload at T <= 64 9,752 / 9,744 tok/s, at T <= 128
+# 9,701 / 9,692, off 9,758 / 9,749, so it stays off.
 USE_OUR_GEMM = True
 GEMV_MAX_TOKENS = int(os.environ.get("QWEN3_GEMV_MAX_TOKENS", "1"))
+STREAM_MAX_M = int(os.environ.get("QWEN3_STREAM_MAX_M", "0"))
 FUSE_GATE_UP_SILU = os.environ.get("QWEN3_FUSE_GATE_UP_SILU", "1") != "0"
 
 
-def _runs_our_gemm(x: torch.Tensor, weight: torch.Tensor, by_table: bool) -> bool:
+def _runs_our_gemm(x: torch.Tensor, weight: torch.Tensor, by_table: bool,
+                   stream: bool = False) -> bool:
     return (
         USE_OUR_GEMM
-        and (by_table or x.shape[0] <= GEMV_MAX_TOKENS)
+        and (by_table or x.shape[0] <= GEMV_MAX_TOKENS or (stream and x.shape[0] <= STREAM_MAX_M))
         and x.is_cuda
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
@@ -63,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     T <= GEMV_MAX_TOKENS; F.linear (cuBLAS) otherwise, and always off CUDA, in fp32, or where the
     op's N, K multiple-of-8 rule does not hold.
     """
-    if not _runs_our_gemm(x, weight, by_table):
+    if not _runs_our_gemm(x, weight, by_table, stream=True):
         return F.linear(x, weight, bias)
     out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
     return out.add_(bias) if bias is not None else out

@@ -12,6 +12,8 @@
 //   swap_128x64   CUTLASS, out^T = w @ x^T, tile 128 weight rows x 64 tokens
 //   tile_128x128  CUTLASS, tile 128 tokens x 128 weight rows, 2x1 cluster
 //   tile_128x256  CUTLASS, tile 128 tokens x 256 weight rows, 2x1 cluster
+//   stream        hand-written weight-streaming wgmma kernel, 256 weight rows x all tokens a CTA,
+//                 K splits reduced in a cluster (M <= 128; qkv_gemm_stream.cu)
 //   gemv          hand-written weight-streaming GEMV on the CUDA cores, a warp per 1 / 2 / 4 weight
 //                 rows over the whole K, no split-K (M <= 8); the table's choice at M = 1
 //   cublas        not ours: where cuBLAS measured faster, the table says so and the op runs
@@ -22,9 +24,10 @@
 // QWEN3_QKV_GEMM_FORCE=<config>[:<mode>] overrides the table for every call (read per call, so a
 // benchmark can compare configurations in one process): <mode> is heuristic | dp | streamk |
 // split<S> for the CUTLASS configs, the split count S (1..8) for the splitk ones (without it,
-// splitk_default_splits) and the weight rows per warp R (1, 2, 4) for gemv (without it,
+// splitk_default_splits; for stream, the most whose clusters are all resident) and the weight rows per warp R (1, 2, 4) for gemv (without it,
 // gemv_default_rows_per_warp). A forced config that cannot run the problem (splitk with M > 64,
 // gemv with M > 8) makes the call fail with cudaErrorNotSupported.
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -40,7 +43,7 @@ namespace qkv_gemm_detail {
 namespace {
 
 enum class Config {
-  kSplitK, kSplitKPf, kSplitKPdl, kSwap128x64, kTile128x128, kTile128x256, kGemv,
+  kSplitK, kSplitKPf, kSplitKPdl, kSwap128x64, kTile128x128, kTile128x256, kGemv, kStream,
   kCublas  // cuBLAS measured faster: the op runs at::mm_out (qkv_gemm_prefers_cublas)
 };
 
@@ -99,6 +102,10 @@ constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
 // (1.06x), the 128x128 tile at M = 1024 for 14B / 32B (1.12x / 1.02x) and at M = 2048 for 4B / 8B
 // (1.03x / 1.12x), the 128x256 tile at M = 16384 for 0.6B / 8B (1.00x / 1.01x). The cells' own
 // winners listed above still run with QWEN3_QKV_GEMM_FORCE, which is how the sweep times them.
+// "stream" (2026-11-30, tenth session, bench_qkv_gemm.py -k stream_vs, RESULTS.md) is in no cell:
+// on Qwen3-8B it beat cuBLAS(Lt) alone on o at T <= 32 (1.09-1.13x) and down at T = 16..96
+// (1.02-1.04x), lost on qkv (0.93-0.98x) and at T = 128 (0.78-0.98x), and routed through
+// QWEN3_STREAM_MAX_M it did not speed up the 8B workload.
 constexpr int kWeightColumns = 6;
 constexpr int64_t kMaxWeight[kWeightColumns] = {
     4096LL * 1024,                         // 0.6B  N=4096  K=1024
@@ -166,8 +173,23 @@ bool parse_mode(const std::string& mode, Choice& c) {
 }
 
 // The table's choice, or QWEN3_QKV_GEMM_FORCE's. A malformed override is reported once and ignored.
+// QWEN3_STREAM_MAX_M=T (an experiment, read once; 0 = off): the wgmma streaming kernel for 2..T
+// tokens on weights of at most QWEN3_STREAM_MAX_N rows (default 8192), ahead of the table.
+int env_int(const char* name, int fallback) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  return end != s && *end == '\0' && v >= 0 && v <= (1L << 30) ? static_cast<int>(v) : fallback;
+}
+
 Choice choose(int64_t m, int64_t n, int64_t k) {
   Choice c = choose_from_table(m, n, k);
+  static const int stream_max_m = std::min(env_int("QWEN3_STREAM_MAX_M", 0), kStreamMaxM);
+  static const int stream_max_n = env_int("QWEN3_STREAM_MAX_N", 8192);
+  if (m >= 2 && m <= stream_max_m && n <= stream_max_n) {
+    c = Choice{Config::kStream, Decomposition::kHeuristic, 0};
+  }
   const char* env = std::getenv("QWEN3_QKV_GEMM_FORCE");
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return c;
   const std::string s(env);
@@ -190,6 +212,8 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
     f.config = Config::kTile128x256;
   } else if (name == "gemv") {
     f.config = Config::kGemv;
+  } else if (name == "stream") {
+    f.config = Config::kStream;
   } else if (name == "cublas") {
     f.config = Config::kCublas;
   } else {
@@ -197,7 +221,7 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
   }
   ok = ok && parse_mode(mode, f);
   if (ok && f.config == Config::kCublas && !mode.empty()) ok = false;  // cuBLAS takes no mode
-  if (ok && is_splitk(f.config) && f.decomposition != Decomposition::kHeuristic &&
+  if (ok && (is_splitk(f.config) || f.config == Config::kStream) && f.decomposition != Decomposition::kHeuristic &&
       f.decomposition != Decomposition::kSplitK) {
     ok = false;  // the splitk kernels take a split count only
   }
@@ -212,7 +236,8 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
     if (!warned.exchange(true)) {
       std::fprintf(stderr,
                    "qwen3_kernels.qkv_gemm: ignoring QWEN3_QKV_GEMM_FORCE=%s (expected auto or "
-                   "cublas | splitk[:S] | splitk_pf[:S] | splitk_pdl[:S] | gemv[:1|2|4] | swap_128x64 | "
+                   "cublas | splitk[:S] | splitk_pf[:S] | splitk_pdl[:S] | stream[:S] | gemv[:1|2|4] | "
+                   "swap_128x64 | "
                    "tile_128x128 | tile_128x256 [:heuristic|dp|streamk|split<S>])\n",
                    env);
     }
@@ -304,6 +329,8 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x256_bf16(p) : sm90_tile_128x256_fp16(p);
     case Config::kGemv:
       return gemv_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
+    case Config::kStream:
+      return stream_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
     case Config::kCublas:  // the caller runs cuBLAS (it asks qkv_gemm_prefers_cublas first)
       return cudaErrorNotSupported;
   }

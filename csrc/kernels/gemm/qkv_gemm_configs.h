@@ -66,4 +66,11 @@ int gemv_default_rows_per_warp(int64_t m, int64_t n);
 // [m, I] = silu(gate) * up (linear_silu_and_mul). rows_per_warp 2 or 4 (0 = the default, >= 2).
 cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp);
 
+// Hand-written weight-streaming wgmma kernel (qkv_gemm_stream.cu), m <= 128, no workspace: a CTA
+// owns 256 weight rows and every token; the K splits of one row block form a cluster and reduce
+// through distributed shared memory; TMA loads. sm_90a only. num_splits in [1, 8], or 0: the most
+// splits whose clusters are all resident at once.
+constexpr int kStreamMaxM = 128;
+cudaError_t stream_gemm(const Problem& p, bool bf16, int num_splits);
+
 }  // namespace qwen3_kernels::qkv_gemm_detail

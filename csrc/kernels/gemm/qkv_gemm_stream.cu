@@ -298,6 +298,29 @@ bool make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, in
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The launch configuration of stream_kernel: grid (splits, row_blocks) in clusters of `splits`
+// CTAs along x, optionally with PDL. Not copyable: cfg points at attr.
+struct StreamLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[2];
+  StreamLaunch(int splits, int row_blocks, int smem_bytes, cudaStream_t stream, bool pdl) {
+    cfg.gridDim = dim3(splits, row_blocks, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = smem_bytes;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = splits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 2 : 1;
+  }
+  StreamLaunch(const StreamLaunch&) = delete;
+  StreamLaunch& operator=(const StreamLaunch&) = delete;
+};
+
 // Clusters of `splits` CTAs that can be resident at once (cudaOccupancyMaxActiveClusters: a
 // cluster must fit in one GPC, one CTA per SM), asked once per instantiation and split count.
 template <typename T, int kTokens>
@@ -305,18 +328,9 @@ int max_active_clusters(int splits) {
   static std::atomic<int> cached[9];  // 0 = not asked yet
   int v = cached[splits].load(std::memory_order_relaxed);
   if (v > 0) return v;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = StreamShape<kTokens>::kSmemBytes;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaOccupancyMaxActiveClusters(&v, stream_kernel<T, kTokens>, &cfg) != cudaSuccess || v < 1) {
+  const StreamLaunch l(splits, 1, StreamShape<kTokens>::kSmemBytes, nullptr, false);
+  if (cudaOccupancyMaxActiveClusters(&v, stream_kernel<T, kTokens>, &l.cfg) != cudaSuccess ||
+      v < 1) {
     cudaGetLastError();
     return 0;
   }
@@ -353,23 +367,9 @@ cudaError_t launch(const Problem& p, int splits) {
       !make_map(&w_map, p.w, p.n, p.k, kRows, kBf16)) {
     return cudaErrorNotSupported;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, static_cast<unsigned>((p.n + kRows - 1) / kRows), 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = S::kSmemBytes;
-  cfg.stream = p.stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 2;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<T*>(p.out), x_map, w_map,
-                            static_cast<int>(p.m),
-                            static_cast<int>(p.n), k, kb_per_split);
+  const StreamLaunch l(splits, row_blocks, S::kSmemBytes, p.stream, true);
+  return cudaLaunchKernelEx(&l.cfg, kernel, static_cast<T*>(p.out), x_map, w_map,
+                            static_cast<int>(p.m), static_cast<int>(p.n), k, kb_per_split);
 }
 
 template <typename T>

@@ -51,6 +51,22 @@ def _check(x, w, out):
     assert ours_rel <= 2 * base_rel + 1e-6, (ours_rel, base_rel)
 
 
+def _eager_then_replayed(step, check, refresh):
+    """step() eagerly, then captured in a CUDA graph and replayed twice, each time after
+    refresh(seed) put new inputs in place (and poisoned the outputs); check() after each run."""
+    step()
+    torch.cuda.synchronize()
+    check()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for seed in (1, 2):
+        refresh(seed)
+        g.replay()
+        torch.cuda.synchronize()
+        check()
+
+
 @pytest.fixture
 def force(monkeypatch):
     """Pin the dispatcher to one configuration for the test (read by the launcher per call)."""
@@ -205,22 +221,17 @@ def test_qkv_gemm_stream_pdl_orders_after_the_previous_kernel(t, force):
         torch.ops.qwen3_kernels.qkv_gemm(mid, x, w1)
         torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
 
-    step()
-    torch.cuda.synchronize()
-    _check(x_new, w1, mid)
-    _check(mid, w2, out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for seed in (1, 2):
+    def check():
+        _check(x_new, w1, mid)
+        _check(mid, w2, out)
+
+    def refresh(seed):
         x_new.copy_(_inputs(t, n1, k1, torch.bfloat16, seed=seed)[0])
         x.zero_()
         mid.fill_(float("nan"))
         out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        _check(x_new, w1, mid)
-        _check(mid, w2, out)
+
+    _eager_then_replayed(step, check, refresh)
 
 
 def test_qkv_gemm_in_a_cuda_graph(force):
@@ -490,24 +501,19 @@ def test_gemv_pdl_orders_after_the_previous_kernel(variant, force, gemv_variant)
         torch.ops.qwen3_kernels.linear_silu_and_mul(mid, x, w1)
         torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
 
-    step()
-    torch.cuda.synchronize()
-    _check_silu(x_new, w1_new, mid)
-    _check(mid, w2, out)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for seed in (1, 2):
+    def check():
+        _check_silu(x_new, w1_new, mid)
+        _check(mid, w2, out)
+
+    def refresh(seed):
         x2, w2_ = _inputs(1, two_i, k, torch.bfloat16, seed=seed)
         x_new.copy_(x2)
         w1_new.copy_(w2_)
         w1.zero_()
         mid.fill_(float("nan"))
         out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        _check_silu(x_new, w1_new, mid)
-        _check(mid, w2, out)
+
+    _eager_then_replayed(step, check, refresh)
 
 
 def test_linear_silu_and_mul_opcheck():

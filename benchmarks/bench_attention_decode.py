@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import qwen3_kernels
 from qwen3_kernels import decode_tuning as dt
 from qwen3_kernels.ops import decode_workspace
-from common import sets_for, time_gpu
+from common import rematch, sets_for, time_gpu
 
 DT = torch.bfloat16
 D = 128
@@ -92,10 +92,23 @@ def _guard(s0, scale, what="ours"):
     assert err < 2e-2, f"{what}: relative error {err:.3g} against fp32 SDPA"
 
 
-def _time_ours(sets, scale, calls):
-    return time_gpu([lambda s=s: qwen3_kernels.paged_attention_decode(
+def _ours_fns(sets, scale):
+    return [lambda s=s: qwen3_kernels.paged_attention_decode(
         s["q"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"], scale,
-        out=s["out"], workspace=s["ws"]) for s in sets], calls_per_replay=calls)
+        out=s["out"], workspace=s["ws"]) for s in sets]
+
+
+def _time_ours(sets, scale, calls):
+    return time_gpu(_ours_fns(sets, scale), calls_per_replay=calls)
+
+
+def _cudnn_fns(sets, scale):
+    def cudnn(s):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(s["q"][:, :, None], s["k"], s["v"], scale=scale,
+                                                  enable_gqa=True)
+
+    return [lambda s=s: cudnn(s) for s in sets]
 
 
 @pytest.mark.parametrize("bs", BLOCK_SIZES)
@@ -114,7 +127,12 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
     key = (b, ctx, hq, hkv)
     if key not in _BASELINES:
         _BASELINES[key] = _time_baselines(sets, hq, hkv, scale, calls)
-    baselines, notes = _BASELINES[key]
+    baselines, notes = dict(_BASELINES[key][0]), list(_BASELINES[key][1])
+    if "cudnn" in baselines:  # ours was timed before cuDNN: the two again, alternating (rematch)
+        best = rematch({"ours": _ours_fns(sets, scale), "cudnn": _cudnn_fns(sets, scale)},
+                       {"ours": ours, "cudnn": baselines["cudnn"]}, calls_per_replay=calls)
+        ours, baselines["cudnn"] = best["ours"], best["cudnn"]
+        notes.append("ours, cudnn: best of 4, the last 3 alternating")
     report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs}", ours,
            baselines, nbytes=nbytes, note="; ".join(notes))
 
@@ -170,12 +188,7 @@ def test_decode_batch1_short_contexts(b, ctx, hq, hkv, report):
 def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):
     baselines, notes = {}, []
 
-    def cudnn(s):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(s["q"][:, :, None], s["k"], s["v"], scale=scale,
-                                                  enable_gqa=True)
-
-    t, err = _try_time([lambda s=s: cudnn(s) for s in sets], calls)
+    t, err = _try_time(_cudnn_fns(sets, scale), calls)
     if t is None:
         notes.append(f"cudnn unavailable ({err})")
     else:

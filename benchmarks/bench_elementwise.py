@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import qwen3_kernels
 from qwen3_kernels import elementwise_tuning as et
 from qwen3_kernels import reference as ref
-from common import sets_for, time_gpu
+from common import rematch, sets_for, time_gpu
 
 DT = torch.bfloat16
 EPS = 1e-6
@@ -78,7 +78,15 @@ def _ours_by_variant(op: str, t: int, fns) -> dict[str, float]:
     return times
 
 
-def _report_all(report, op, case, ours, baselines, nbytes, note=""):
+def _report_all(report, op, case, ours, baselines, nbytes, note="", paths=None):
+    """paths: name -> closures of ours ("ours", the default variant) and the compiled baselines,
+    timed again alternating (rematch) before the row is written: ours was timed first."""
+    if paths:
+        best = rematch(paths, {"ours": ours["auto"], **{k: baselines[k] for k in paths
+                                                          if k != "ours"}}, calls_per_replay=64)
+        ours["auto"] = best.pop("ours")
+        baselines.update(best)
+        note = (note + " " if note else "") + f"({', '.join(['ours', *best])}: best of 4, alternating)"
     report(op, case, ours["auto"], baselines, nbytes=nbytes, note=note)
     for v, s in ours.items():
         if v != "auto":
@@ -98,16 +106,18 @@ def test_silu_and_mul(t, report):
         o.copy_(ref.silu_and_mul(x))
 
     comp_out = _compiled(ref_out)
-    ours = _ours_by_variant("silu", t, [lambda x=x, o=o: qwen3_kernels.silu_and_mul(x, out=o)
-                                        for x, o in zip(xs, outs)])
+    ours_fns = [lambda x=x, o=o: qwen3_kernels.silu_and_mul(x, out=o) for x, o in zip(xs, outs)]
+    ours = _ours_by_variant("silu", t, ours_fns)
     eager = time_gpu([lambda x=x: F.silu(x[:, :inter]) * x[:, inter:] for x in xs], calls_per_replay=64)
-    compiled = time_gpu([lambda x=x: comp(x) for x in xs], calls_per_replay=64)
-    compiled_out = time_gpu([lambda x=x, o=o: comp_out(x, o) for x, o in zip(xs, outs)],
-                            calls_per_replay=64)
+    comp_fns = [lambda x=x: comp(x) for x in xs]
+    comp_out_fns = [lambda x=x, o=o: comp_out(x, o) for x, o in zip(xs, outs)]
+    compiled = time_gpu(comp_fns, calls_per_replay=64)
+    compiled_out = time_gpu(comp_out_fns, calls_per_replay=64)
     k = _kernels_per_call(lambda: comp_out(xs[0], outs[0]))
     _report_all(report, "silu_and_mul", f"T={t} I={inter}", ours,
                 {"eager": eager, "compile": compiled, "compile_out": compiled_out}, nbytes,
-                note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})")
+                note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})",
+                paths={"ours": ours_fns, "compile": comp_fns, "compile_out": comp_out_fns})
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -124,16 +134,18 @@ def test_rms_norm(t, report):
         o.copy_(ref.rms_norm(x, w, EPS))
 
     comp_out = _compiled(ref_out)
-    ours = _ours_by_variant("norm", t, [lambda x=x, o=o: qwen3_kernels.rms_norm(x, w, EPS, out=o)
-                                        for x, o in zip(xs, outs)])
+    ours_fns = [lambda x=x, o=o: qwen3_kernels.rms_norm(x, w, EPS, out=o) for x, o in zip(xs, outs)]
+    ours = _ours_by_variant("norm", t, ours_fns)
     eager = time_gpu([lambda x=x: F.rms_norm(x, (h,), w, EPS) for x in xs], calls_per_replay=64)
-    compiled = time_gpu([lambda x=x: comp(x, w, EPS) for x in xs], calls_per_replay=64)
-    compiled_out = time_gpu([lambda x=x, o=o: comp_out(x, w, o) for x, o in zip(xs, outs)],
-                            calls_per_replay=64)
+    comp_fns = [lambda x=x: comp(x, w, EPS) for x in xs]
+    comp_out_fns = [lambda x=x, o=o: comp_out(x, w, o) for x, o in zip(xs, outs)]
+    compiled = time_gpu(comp_fns, calls_per_replay=64)
+    compiled_out = time_gpu(comp_out_fns, calls_per_replay=64)
     k = _kernels_per_call(lambda: comp_out(xs[0], w, outs[0]))
     _report_all(report, "rms_norm", f"T={t} H={h}", ours,
                 {"eager F.rms_norm": eager, "compile": compiled, "compile_out": compiled_out},
-                nbytes, note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})")
+                nbytes, note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})",
+                paths={"ours": ours_fns, "compile": comp_fns, "compile_out": comp_out_fns})
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -155,11 +167,14 @@ def test_fused_add_rms_norm(t, report):
         x.copy_(normed)
 
     comp = _compiled(ref_inplace)
-    ours = _ours_by_variant("norm", t, [lambda x=x, r=r: qwen3_kernels.fused_add_rms_norm(x, r, w, EPS)
-                                        for x, r in zip(xs, rs)])
+    ours_fns = [lambda x=x, r=r: qwen3_kernels.fused_add_rms_norm(x, r, w, EPS)
+                for x, r in zip(xs, rs)]
+    ours = _ours_by_variant("norm", t, ours_fns)
     eager = time_gpu([lambda x=x, r=r: eager_fn(x, r) for x, r in zip(xs, rs)], calls_per_replay=64)
-    compiled = time_gpu([lambda x=x, r=r: comp(x, r, w) for x, r in zip(xs, rs)], calls_per_replay=64)
+    comp_fns = [lambda x=x, r=r: comp(x, r, w) for x, r in zip(xs, rs)]
+    compiled = time_gpu(comp_fns, calls_per_replay=64)
     k = _kernels_per_call(lambda: comp(xs[0], rs[0], w))
     _report_all(report, "fused_add_rms_norm", f"T={t} H={h}", ours,
                 {"eager": eager, "compile": compiled}, nbytes,
-                note=f"(compile: {k} kernel{'s' if k != 1 else ''})")
+                note=f"(compile: {k} kernel{'s' if k != 1 else ''})",
+                paths={"ours": ours_fns, "compile": comp_fns})

@@ -11,7 +11,9 @@ torch.compile (Inductor fuses what it can; it is the peer to beat).
 
 Bytes that must move: read qkv, write q, write K and V into the cache, plus the per-token
 positions / slots / cos-sin rows and the two norm weights. Input sets rotate so together they
-exceed the 60 MB L2; every time is a CUDA graph replay of many calls.
+exceed the 60 MB L2 (one cos/sin table serves them all, as one serves every layer of a model);
+every time is a CUDA graph replay of many calls, and every variant and torch.compile are timed
+again alternating, each keeping its best (benchmarks/common.py: rematch).
 Goals (TARGETS.md): T = 16384: >= 4.0 TB/s and >= 1.2x torch.compile; T <= 256: one launch,
 <= 4 us, >= 1.0x torch.compile.
 
@@ -21,7 +23,7 @@ times, from the same process and input sets, after a correctness guard of its ow
 QK_NORM_ROPE_VARIANTS = all (default), auto, or a comma list picks which ones run. The table
 printed at the end of the module lists the fastest variant per T.
 
-    QK_NORM_ROPE_VARIANTS=item,pipe,bulk pytest -q -s bench_qk_norm_rope.py
+    QK_NORM_ROPE_VARIANTS=token,token_pdl,bulk pytest -q -s bench_qk_norm_rope.py
 """
 
 import os
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 import qwen3_kernels
 from qwen3_kernels import reference as ref
-from common import sets_for, time_gpu
+from common import rematch, sets_for, time_gpu
 
 DT = torch.bfloat16
 D = 128
@@ -42,7 +44,7 @@ MAX_POSITION = 40960
 BLOCK_SIZE = 16
 TOKENS = [16384, 256, 64, 16, 1]
 VARIANT_ENV = "QWEN3_QK_NORM_ROPE_VARIANT"
-VARIANTS = ["auto", "item", "token", "token8", "pipe", "pipe4", "bulk", "bulk2", "bulk8"]
+VARIANTS = ["auto", "item", "token", "token_pdl", "token8", "pipe", "pipe4", "bulk", "bulk2", "bulk8"]
 _BEST: dict = {}  # t -> {variant: seconds}
 
 
@@ -155,11 +157,24 @@ def test_qk_norm_rope(t, report):
             ok = ((q.float() - want.float()).abs() <= 2.0**-7 * want.float().abs() + 1e-3).all()
             assert ok, f"variant {v}: q differs from the reference"
             ours[v] = time_gpu([lambda s=s: _ours(s) for s in sets], calls_per_replay=calls)
-    _BEST[t] = ours
 
     eager = time_gpu([lambda s=s: unfused(*_args(s)) for s in sets], calls_per_replay=calls)
     comp = torch.compile(unfused, dynamic=False)
     compiled = time_gpu([lambda s=s: comp(*_args(s)) for s in sets], calls_per_replay=calls)
+    # Every variant and the compiled baseline again, alternating (rematch): each keeps its best.
+    # A variant's closures set the knob themselves: graph capture reads it at every launch.
+    def as_variant(v, s):
+        def call():
+            with _Variant(v):
+                return _ours(s)
+        return call
+
+    paths = {v: [as_variant(v, s) for s in sets] for v in ours}
+    paths["compile"] = [lambda s=s: comp(*_args(s)) for s in sets]
+    best = rematch(paths, {**ours, "compile": compiled}, calls_per_replay=calls)
+    compiled = best.pop("compile")
+    ours = best
+    _BEST[t] = ours
     goal = "goal >= 4.0 TB/s, >= 1.2x compile" if t >= 16384 else "goal <= 4 us, one launch"
     case = f"T={t} Hq/Hkv={HQ}/{HKV} D={D}"
     baselines = {"eager": eager, "compile": compiled}

@@ -36,7 +36,7 @@ ATOL = 1e-5
 HEADS = [(16, 8), (32, 8), (40, 8), (64, 8)]
 VARIANT_ENV = "QWEN3_QK_NORM_ROPE_VARIANT"
 # "auto" is the default dispatch; the others force one kernel (bulk* fall back to pipe below sm_90).
-VARIANTS = ["auto", "item", "token", "token8", "pipe", "pipe4", "bulk", "bulk2", "bulk8"]
+VARIANTS = ["auto", "item", "token", "token_pdl", "token8", "pipe", "pipe4", "bulk", "bulk2", "bulk8"]
 
 
 def set_variant(name):

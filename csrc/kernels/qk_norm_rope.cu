@@ -15,7 +15,7 @@
 // token-major variants exploit.
 //
 // Variants (QWEN3_QK_NORM_ROPE_VARIANT, read at every launch so a benchmark can sweep them in one
-// process; unset or "auto" = pipe for >= 2^16 (token, head) items, item below):
+// process; unset or "auto" = token_pdl for >= 2^16 (token, head) items, item below):
 //   item    An "item" is one (token, head); consecutive 8-lane groups take consecutive items, ITEMS
 //           per thread (2 for large batches, 1 for small ones, which also hoists the cos/sin and
 //           weight loads). Measured on H200 at T=16384, Hq/Hkv 32/8: 113 us, 3.63 TB/s, 84% of
@@ -28,6 +28,12 @@
 //           in flight per thread at 64 registers. The cos/sin row and both weights are staged in
 //           shared memory once per token instead of once per head; all qkv loads are issued
 //           before the thread waits on the position -> cos/sin chain.
+//   token_pdl  token launched with PDL (sm_90): waits (griddepcontrol.wait) before its first read,
+//           so its launch and first CTAs overlap the kernel before (the QKV GEMM in a model, the
+//           previous call in a benchmark). H200, T=16384, 8B heads: 100.75 us (4.08 TB/s) against
+//           token's 101.50 (best of 4, alternating); at T <= 256 0.5-0.7 us under token. With L2
+//           hints on top (qkv evict-first, the shared cos/sin table evict-last) it was 3-4% slower
+//           (104.2-104.8 us), so there are none.
 //   token8  The same with at most 8 heads per thread (~120 registers).
 //   pipe    token's split, but a CTA walks a run of tokens (persistent: one wave of resident CTAs)
 //           and fetches the NEXT token's cos/sin row (cp.async) while its qkv loads fly, so a
@@ -267,7 +273,8 @@ constexpr int kTokenMaxThreads = 256;
 
 // HPT <= 4 is held to 64 registers (bf16 needs 64 anyway; fp16 would take 78 and lose a sixth of
 // the CTAs per SM for a few bytes of spill).
-template <typename T, int HPT>
+// kPdl: launched with PDL (sm_90), waiting before the first read.
+template <typename T, int HPT, bool kPdl>
 __global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_rope_token_kernel(
     T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
     const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
@@ -291,6 +298,10 @@ __global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_ro
   const int group = threadIdx.x / kLanesPerItem;
   const int num_groups = blockDim.x / kLanesPerItem;  // the launcher makes it >= heads / HPT
   const int64_t token = blockIdx.x;
+  if constexpr (kPdl) {
+    pdl_wait();  // qkv is the previous kernel's output
+    pdl_launch_dependents();
+  }
 
   // Issue order: the position first (the cos/sin fetch waits on it), then every qkv load, then
   // the cos/sin and weight loads, so the position's latency hides under the qkv loads and the
@@ -759,16 +770,18 @@ int token_groups(int num_heads, int hpt) {
   return (groups + 3) / 4 * 4;
 }
 
-template <typename T, int HPT>
+template <typename T, int HPT, bool kPdl = false>
 cudaError_t launch_token(const Args& a) {
   const int threads = token_groups(a.num_heads(), HPT) * kLanesPerItem;
   if (a.num_tokens > 0x7fffffff || threads > kTokenMaxThreads) return cudaErrorInvalidValue;
-  qk_norm_rope_token_kernel<T, HPT><<<static_cast<unsigned>(a.num_tokens), threads, 0, a.stream>>>(
-      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
-      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
-      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
-      a.slot_mapping, a.qkv_stride, a.num_q_heads, a.num_kv_heads, a.eps);
-  return cudaGetLastError();
+  const bool pdl = kPdl && current_device_info().cc_major >= 9;
+  return launch_ex(qk_norm_rope_token_kernel<T, HPT, kPdl>,
+                   dim3(static_cast<unsigned>(a.num_tokens)), dim3(threads), a.stream, pdl, 1,
+                   static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
+                   static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
+                   a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache),
+                   static_cast<T*>(a.v_cache), a.slot_mapping, a.qkv_stride, a.num_q_heads,
+                   a.num_kv_heads, a.eps);
 }
 
 // CTAs for a run-of-tokens kernel: tokens_per_cta > 0 gives ceil(T / tokens_per_cta) CTAs (the
@@ -829,12 +842,15 @@ cudaError_t launch_bulk(const Args& a) {
   return cudaGetLastError();
 }
 
-enum class Variant { kAuto, kItem, kToken, kToken8, kPipe, kPipe4, kBulk, kBulk2, kBulk8 };
+enum class Variant {
+  kAuto, kItem, kToken, kTokenPdl, kToken8, kPipe, kPipe4, kBulk, kBulk2, kBulk8
+};
 
 constexpr struct {
   const char* name;
   Variant v;
 } kVariantNames[] = {{"item", Variant::kItem},   {"token", Variant::kToken},
+                     {"token_pdl", Variant::kTokenPdl},
                      {"token8", Variant::kToken8}, {"pipe", Variant::kPipe},
                      {"pipe4", Variant::kPipe4}, {"bulk", Variant::kBulk},
                      {"bulk2", Variant::kBulk2}, {"bulk8", Variant::kBulk8}};
@@ -851,7 +867,7 @@ Variant variant_from_env() {
     warned = true;
     std::fprintf(stderr,
                  "qwen3_kernels: QWEN3_QK_NORM_ROPE_VARIANT=%s is not one of auto, item, token, "
-                 "token8, pipe, pipe4, bulk, bulk2, bulk8; using auto\n", e);
+                 "token_pdl, token8, pipe, pipe4, bulk, bulk2, bulk8; using auto\n", e);
   }
   return Variant::kAuto;
 }
@@ -898,11 +914,12 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   // Large batches are bandwidth bound, small ones latency bound (see the item kernel's ITEMS).
   const bool many = num_tokens * num_heads >= (int64_t{1} << 16);
 
-  // The default from the H200 sweep of 2026-11-30 (bench_qk_norm_rope.py, 32/8 heads): at
-  // T=16384 token 105.4 us (3.90 TB/s) vs item 112.8, pipe 116.4, bulk 113.9; at T <= 256 item
-  // (1.8-4.0 us) beats every token-major kernel (2.6-5.3 us).
+  // The default from the H200 sweeps (bench_qk_norm_rope.py, 32/8 heads): at T=16384 token 105.4
+  // us (3.90 TB/s) vs item 112.8, pipe 116.4, bulk 113.9 (2026-11-30), and token_pdl 100.75 vs
+  // token 101.50 (2026-12-01, alternating); at T <= 256 item (1.3-3.3 us) beats every
+  // token-major kernel (2.2-4.9 us).
   Variant v = variant_from_env();
-  if (v == Variant::kAuto) v = many ? Variant::kToken : Variant::kItem;
+  if (v == Variant::kAuto) v = many ? Variant::kTokenPdl : Variant::kItem;
   // Fall back where a variant does not apply: bulk needs sm_90 and its stages in shared memory
   // (227 KB); the token-major kernels need their groups in one CTA of <= 256 threads.
   if (v == Variant::kBulk || v == Variant::kBulk2 || v == Variant::kBulk8) {
@@ -913,13 +930,15 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   }
   const bool fits4 = token_groups(num_heads, 4) * kLanesPerItem <= kTokenMaxThreads;
   const bool fits8 = token_groups(num_heads, 8) * kLanesPerItem <= kTokenMaxThreads;
-  if ((v == Variant::kToken || v == Variant::kPipe || v == Variant::kPipe4) && !fits4)
+  const bool token4 = v == Variant::kToken || v == Variant::kTokenPdl;
+  if ((token4 || v == Variant::kPipe || v == Variant::kPipe4) && !fits4)
     v = fits8 ? Variant::kToken8 : Variant::kItem;
   if (v == Variant::kToken8 && !fits8) v = Variant::kItem;
 
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     switch (v) {
       case Variant::kToken: return launch_token<T, 4>(a);
+      case Variant::kTokenPdl: return launch_token<T, 4, true>(a);
       case Variant::kToken8: return launch_token<T, 8>(a);
       case Variant::kPipe: return launch_pipe<T, 4>(a, 0);
       case Variant::kPipe4: return launch_pipe<T, 4>(a, 4);

@@ -93,33 +93,49 @@ inline DeviceInfo current_device_info() {
   return info;
 }
 
-// cudaLaunchKernelEx with the PDL attribute (pdl) and/or a 1-D cluster of `cluster` CTAs (> 1).
-// The caller checks that the device has them (sm_90+).
+// A cudaLaunchKernelEx configuration: dynamic shared memory, the PDL attribute (pdl) and/or 1-D
+// clusters of `cluster` CTAs along x (> 1). The caller checks that the device has them (sm_90+).
+// One object serves an occupancy query (cudaOccupancyMaxActiveClusters takes &cfg) and the launch
+// it sizes. Not copyable: cfg points at attrs.
+struct LaunchConfig {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attrs[2];
+  LaunchConfig(dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream, bool pdl,
+               int cluster) {
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem_bytes;
+    cfg.stream = stream;
+    unsigned n = 0;
+    if (pdl) {
+      attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[n].val.programmaticStreamSerializationAllowed = 1;
+      ++n;
+    }
+    if (cluster > 1) {
+      attrs[n].id = cudaLaunchAttributeClusterDimension;
+      attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
+      attrs[n].val.clusterDim.y = 1;
+      attrs[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    cfg.attrs = attrs;
+    cfg.numAttrs = n;
+  }
+  LaunchConfig(const LaunchConfig&) = delete;
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
+};
+
+template <typename... KArgs, typename... Args>
+cudaError_t launch_ex(void (*kernel)(KArgs...), const LaunchConfig& c, Args... args) {
+  return cudaLaunchKernelEx(&c.cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+// The common case: no dynamic shared memory.
 template <typename... KArgs, typename... Args>
 cudaError_t launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream,
                       bool pdl, int cluster, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attrs[2];
-  unsigned n = 0;
-  if (pdl) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attrs[n].val.clusterDim.y = 1;
-    attrs[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  config.attrs = attrs;
-  config.numAttrs = n;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<KArgs>(args)...);
+  return launch_ex(kernel, LaunchConfig(grid, block, 0, stream, pdl, cluster), args...);
 }
 
 }  // namespace qwen3_kernels

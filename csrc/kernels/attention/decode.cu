@@ -92,6 +92,7 @@
 
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
+#include "qwen3_kernels/tuning.cuh"  // pdl_wait, pdl_launch_dependents, LaunchConfig, launch_ex
 
 namespace qwen3_kernels {
 namespace {
@@ -171,20 +172,6 @@ struct DecodeParams {
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
-
-// Programmatic dependent launch (sm_90+): a kernel lets the next one (launched with the PDL
-// attribute) be scheduled while it still runs, and that kernel waits here until its predecessor
-// grid has finished and its writes are visible. Hides launch latency; both are no-ops without PDL.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-}
-__device__ __forceinline__ void pdl_wait_primary() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [16][128] tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
@@ -270,7 +257,7 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   constexpr int kChunkTiles = S::kChunkTiles;
   constexpr int kTilesPerWarpChunk = S::kTilesPerWarpChunk;
   extern __shared__ __align__(16) unsigned char smem[];
-  if (p.pdl) pdl_wait_primary();  // before any read: the previous kernel may have written q or K/V
+  if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
   if (kSplit || p.pdl) pdl_launch_dependents();
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks;
@@ -565,7 +552,7 @@ __global__ void __launch_bounds__(kCombineThreads) paged_decode_combine_kernel(c
   const int64_t bh = blockIdx.x;
   const float* lse = p.ws_lse + bh * p.max_splits;
   if (p.pdl) pdl_launch_dependents();
-  pdl_wait_primary();
+  pdl_wait();
   if (written_alone(p, bh)) return;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -600,7 +587,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t bh = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (p.pdl) pdl_launch_dependents();
-  pdl_wait_primary();
+  pdl_wait();
   if (written_alone(p, bh)) return;
   const float* lse = p.ws_lse + bh * p.max_splits;
   const float4* part =
@@ -790,21 +777,11 @@ int* combine_counters(int64_t n, cudaStream_t stream) {
   return ptr;
 }
 
-// cudaLaunchKernelEx with the PDL attribute when asked for and the device has it.
+// cudaLaunchKernelEx with the PDL attribute when asked for (and the device has it).
 template <typename Kernel>
-cudaError_t launch_ex(Kernel kernel, dim3 grid, int threads, int smem, bool pdl,
-                      cudaStream_t stream, const DecodeParams& p) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, p);
+cudaError_t launch_pdl(Kernel kernel, dim3 grid, int threads, int smem, bool pdl,
+                       cudaStream_t stream, const DecodeParams& p) {
+  return launch_ex(kernel, LaunchConfig(grid, dim3(threads), smem, stream, pdl, 1), p);
 }
 
 template <typename T, typename S>
@@ -833,7 +810,7 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
   const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
   if (p.num_splits == 1) {
     if (p.pdl)
-      return launch_ex(paged_decode_kernel<T, false, S>, grid, S::kThreads, S::kSmemBytes, true,
+      return launch_pdl(paged_decode_kernel<T, false, S>, grid, S::kThreads, S::kSmemBytes, true,
                        stream, p);
     paged_decode_kernel<T, false, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     return cudaGetLastError();
@@ -843,11 +820,11 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
   if (p.counters != nullptr) {  // fused: no combine kernel
     err = prepare_kernel<T, true, S, true>(&unused);
     if (err != cudaSuccess) return err;
-    return launch_ex(paged_decode_kernel<T, true, S, true>, grid, S::kThreads, S::kSmemBytes,
+    return launch_pdl(paged_decode_kernel<T, true, S, true>, grid, S::kThreads, S::kSmemBytes,
                      p.pdl != 0, stream, p);
   }
   if (p.pdl) {
-    err = launch_ex(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true, stream,
+    err = launch_pdl(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true, stream,
                     p);
   } else {
     paged_decode_kernel<T, true, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
@@ -856,9 +833,9 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
   if (err != cudaSuccess) return err;
   const dim3 cgrid(batch * p.num_q_heads);
   if (flags & kFlagFastCombine)
-    return launch_ex(paged_decode_combine_fast_kernel<T>, cgrid, kCombineThreads, 0, has_pdl,
+    return launch_pdl(paged_decode_combine_fast_kernel<T>, cgrid, kCombineThreads, 0, has_pdl,
                      stream, p);
-  return launch_ex(paged_decode_combine_kernel<T>, cgrid, kCombineThreads, 0, has_pdl, stream, p);
+  return launch_pdl(paged_decode_combine_kernel<T>, cgrid, kCombineThreads, 0, has_pdl, stream, p);
 }
 
 template <typename T>

@@ -38,6 +38,7 @@
 
 #include "qkv_gemm_configs.h"
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/tuning.cuh"  // LaunchConfig, launch_ex
 
 namespace qwen3_kernels::qkv_gemm_detail {
 namespace {
@@ -260,24 +261,11 @@ cudaError_t launch(const Problem& p, int splits) {
   const int k = static_cast<int>(p.k);
   // Columns per split, a multiple of 8 (a thread's load); the last split may get fewer.
   const int k_chunk = ((k + splits - 1) / splits + 7) / 8 * 8;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(splits, static_cast<unsigned>((p.n + kRowsPerCta - 1) / kRowsPerCta), 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = p.stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = kPdl ? 2 : 1;
-  return cudaLaunchKernelEx(&cfg, splitk_kernel<T, NT, kPrefetchL2, kPdl>,
-                            static_cast<T*>(p.out), static_cast<const T*>(p.x),
-                            static_cast<const T*>(p.w),
-                            static_cast<int>(p.m), static_cast<int>(p.n), k, k_chunk);
+  const LaunchConfig cfg(dim3(splits, static_cast<unsigned>((p.n + kRowsPerCta - 1) / kRowsPerCta), 1),
+                         dim3(kThreads, 1, 1), 0, p.stream, kPdl, splits);
+  return launch_ex(splitk_kernel<T, NT, kPrefetchL2, kPdl>, cfg, static_cast<T*>(p.out),
+                   static_cast<const T*>(p.x), static_cast<const T*>(p.w), static_cast<int>(p.m),
+                   static_cast<int>(p.n), k, k_chunk);
 }
 
 template <typename T, bool kPrefetchL2, bool kPdl>

@@ -299,26 +299,11 @@ bool make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, in
 }
 
 // The launch configuration of stream_kernel: grid (splits, row_blocks) in clusters of `splits`
-// CTAs along x, optionally with PDL. Not copyable: cfg points at attr.
-struct StreamLaunch {
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[2];
-  StreamLaunch(int splits, int row_blocks, int smem_bytes, cudaStream_t stream, bool pdl) {
-    cfg.gridDim = dim3(splits, row_blocks, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = smem_bytes;
-    cfg.stream = stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 2 : 1;
-  }
-  StreamLaunch(const StreamLaunch&) = delete;
-  StreamLaunch& operator=(const StreamLaunch&) = delete;
+// CTAs along x, optionally with PDL.
+struct StreamLaunch : LaunchConfig {
+  StreamLaunch(int splits, int row_blocks, int smem_bytes, cudaStream_t stream, bool pdl)
+      : LaunchConfig(dim3(splits, row_blocks, 1), dim3(kThreads, 1, 1), smem_bytes, stream, pdl,
+                     splits) {}
 };
 
 // Clusters of `splits` CTAs that can be resident at once (cudaOccupancyMaxActiveClusters: a
@@ -368,7 +353,7 @@ cudaError_t launch(const Problem& p, int splits) {
     return cudaErrorNotSupported;
   }
   const StreamLaunch l(splits, row_blocks, S::kSmemBytes, p.stream, true);
-  return cudaLaunchKernelEx(&l.cfg, kernel, static_cast<T*>(p.out), x_map, w_map,
+  return launch_ex(kernel, l, static_cast<T*>(p.out), x_map, w_map,
                             static_cast<int>(p.m), static_cast<int>(p.n), k, kb_per_split);
 }
 

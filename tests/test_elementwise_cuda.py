@@ -222,7 +222,9 @@ def test_norm_dependent_calls_in_graph(t, norm_variant):
 def test_variant_hooks():
     for op in et.OPS:
         names = et.variants(op)
-        assert names[0] == "auto" and "legacy" in names
+        assert names[0] == "auto" and len(names) > 1, (op, names)
+        # the elementwise ops keep their first kernels as "legacy"; the GEMV has launch variants
+        assert ("legacy" in names) == (op != "gemv"), (op, names)
         before = et.current(op)
         with et.variant(op, names[-1]):
             assert et.current(op) == names[-1]

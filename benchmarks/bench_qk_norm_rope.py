@@ -23,7 +23,7 @@ times, from the same process and input sets, after a correctness guard of its ow
 QK_NORM_ROPE_VARIANTS = all (default), auto, or a comma list picks which ones run. The table
 printed at the end of the module lists the fastest variant per T.
 
-    QK_NORM_ROPE_VARIANTS=token,token_pdl,bulk pytest -q -s bench_qk_norm_rope.py
+    QK_NORM_ROPE_VARIANTS=token,token_pdl pytest -q -s bench_qk_norm_rope.py
 """
 
 import os
@@ -44,7 +44,7 @@ MAX_POSITION = 40960
 BLOCK_SIZE = 16
 TOKENS = [16384, 256, 64, 16, 1]
 VARIANT_ENV = "QWEN3_QK_NORM_ROPE_VARIANT"
-VARIANTS = ["auto", "item", "token", "token_pdl", "token8", "pipe", "pipe4", "bulk", "bulk2", "bulk8"]
+VARIANTS = ["auto", "item", "token", "token_pdl"]
 _BEST: dict = {}  # t -> {variant: seconds}
 
 

@@ -11,8 +11,7 @@ looser than any real bug (a wrong pair, weight, position or head moves outputs b
 V is a copy: bit-exact. Untouched cache slots must keep their NaN poison bit for bit.
 
 Every launch variant (QWEN3_QK_NORM_ROPE_VARIANT, see csrc/kernels/qk_norm_rope.cu) runs every
-case through the ``variant`` fixture; its ids name the variant, so `-k "not bulk"` leaves out the
-sm_90 bulk-copy ones (which, if broken, trap and take the CUDA context of the later tests along).
+case through the ``variant`` fixture; its ids name the variant (`-k token_pdl`).
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 ATOL = 1e-5
 HEADS = [(16, 8), (32, 8), (40, 8), (64, 8)]
 VARIANT_ENV = "QWEN3_QK_NORM_ROPE_VARIANT"
-# "auto" is the default dispatch; the others force one kernel (bulk* fall back to pipe below sm_90).
-VARIANTS = ["auto", "item", "token", "token_pdl", "token8", "pipe", "pipe4", "bulk", "bulk2", "bulk8"]
+# "auto" is the default dispatch; the others force one kernel.
+VARIANTS = ["auto", "item", "token", "token_pdl"]
 
 
 def set_variant(name):
@@ -118,8 +117,8 @@ def test_matches_reference(t, hq, hkv, block_size, dtype, cos_sin, variant):
 # Tails: item counts (T * (Hq + 2Hkv)) that fill no whole block, on both launch shapes (one item
 # per thread below 2^16 items, two above), including an odd count so a thread's second item is
 # out of range while its first is not.
-# (37, 128, 8) and (5, 256, 8): more heads than one token-major CTA holds at 4 (8) heads per
-# thread, or than 4 bulk stages fit in shared memory: the launcher's fallbacks.
+# (37, 128, 8) and (5, 256, 8): more heads than one token-major CTA holds at 4 heads per thread:
+# the launcher's fallback to the item kernel.
 @pytest.mark.parametrize("t,hq,hkv", [(3, 7, 1), (1171, 40, 8), (7283, 7, 1), (2, 1, 1),
                                       (37, 128, 8), (5, 256, 8)])
 def test_tails_and_odd_head_counts(t, hq, hkv, cos_sin, variant):

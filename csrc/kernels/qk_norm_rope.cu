@@ -34,16 +34,12 @@
 //           token's 101.50 (best of 4, alternating); at T <= 256 0.5-0.7 us under token. With L2
 //           hints on top (qkv evict-first, the shared cos/sin table evict-last) it was 3-4% slower
 //           (104.2-104.8 us), so there are none.
-//   token8  The same with at most 8 heads per thread (~120 registers).
-//   pipe    token's split, but a CTA walks a run of tokens (persistent: one wave of resident CTAs)
-//           and fetches the NEXT token's cos/sin row (cp.async) while its qkv loads fly, so a
-//           token waits on one memory latency, not two. pipe4: runs of 4 tokens, many waves.
-//   bulk    (sm_90; others fall back to pipe) Persistent CTAs with a ring of 4 shared-memory
-//           stages of one token each: thread 0 moves whole rows with the bulk-copy engine
-//           (cp.async.bulk, TMA without a tensor map) 3 tokens ahead of the one being rotated,
-//           the threads normalise and rotate q and k in place, and q, K, V leave as three bulk
-//           stores (V never enters a register). Bytes in flight are bounded by shared memory,
-//           not registers. bulk2 / bulk8: 2 / 8 stages.
+// Tried and removed (2026-12-01; the code is in git before this note, e.g. 2d49bf4): token8 (at
+// most 8 heads a thread, ~120 registers: 111.3 us at T=16384), pipe / pipe4 (a CTA walks a run of
+// tokens, the next token's cos/sin row fetched by cp.async while its qkv loads fly: 116.4 us),
+// bulk / bulk2 / bulk8 (sm_90 bulk copies through a ring of 2-8 shared-memory stages, q / K / V
+// leaving as bulk stores: 113.9 us), token_cs (streaming cache operators: 106.3 us); token then
+// took 103.7-105.4 us without PDL.
 // Every variant does the same fp32 math per element and rounds once (norm_rope / the item loop).
 //
 // Not checked on the device (the launcher has no bounds to check against, and a check would need a
@@ -65,7 +61,6 @@ constexpr int kHalf = kHeadDim / 2;         // neox pairs (i, i + 64)
 constexpr int kVec = 8;                      // 16-bit elements per 16-byte access
 constexpr int kLanesPerItem = kHalf / kVec;  // 8 lanes cover one head
 constexpr int kThreads = 256;
-constexpr int kCosSinChunks = kHeadDim * 4 / 16;  // 16-byte chunks of one fp32 cos/sin row
 
 __device__ __forceinline__ float4 load_f4(const float* p) {
   return *reinterpret_cast<const float4*>(p);
@@ -249,17 +244,6 @@ __device__ __forceinline__ float sum_squares(const Vec8<T>& lo, const Vec8<T>& h
   return ss;
 }
 
-// p ? a : b without taking either's address (a conditional on the structs themselves makes an
-// lvalue, which puts both in local memory).
-template <typename T>
-__device__ __forceinline__ Vec8<T> select_vec8(bool p, const Vec8<T>& a, const Vec8<T>& b) {
-  const uint4 x = *reinterpret_cast<const uint4*>(&a), y = *reinterpret_cast<const uint4*>(&b);
-  Vec8<T> r;
-  *reinterpret_cast<uint4*>(&r) =
-      make_uint4(p ? x.x : y.x, p ? x.y : y.y, p ? x.z : y.z, p ? x.w : y.w);
-  return r;
-}
-
 template <typename T>
 __device__ __forceinline__ Vec8<T> zero_vec8() {
   Vec8<T> r;
@@ -270,12 +254,12 @@ __device__ __forceinline__ Vec8<T> zero_vec8() {
 // ---- token: one CTA per token ----------------------------------------------------------------
 
 constexpr int kTokenMaxThreads = 256;
+constexpr int kHeadsPerThread = 4;  // 128 B of qkv in flight per thread at 64 registers
 
-// HPT <= 4 is held to 64 registers (bf16 needs 64 anyway; fp16 would take 78 and lose a sixth of
-// the CTAs per SM for a few bytes of spill).
-// kPdl: launched with PDL (sm_90), waiting before the first read.
-template <typename T, int HPT, bool kPdl>
-__global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_rope_token_kernel(
+// Held to 64 registers (bf16 needs 64 anyway; fp16 would take 78 and lose a sixth of the CTAs per
+// SM for a few bytes of spill). kPdl: launched with PDL (sm_90), waiting before the first read.
+template <typename T, bool kPdl>
+__global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel(
     T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
     const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
                                                //   qkv_stride (elements)
@@ -288,15 +272,15 @@ __global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_ro
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
     int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
   // The token's cos/sin row and both weights, staged once per CTA: in registers they would cost
-  // 32 per thread (spills or half the occupancy at HPT = 4); a shared-memory read per head is
-  // ~30 cycles, off the memory critical path.
+  // 32 per thread (spills or half the occupancy); a shared-memory read per head is ~30 cycles, off
+  // the memory critical path.
   __shared__ __align__(16) float cs_s[kHeadDim];      // cos | sin
   __shared__ __align__(16) T w_s[2][kHeadDim];        // q_norm, k_norm
   const int num_heads = num_q_heads + 2 * num_kv_heads;
   const int num_qk = num_q_heads + num_kv_heads;
   const int lane = threadIdx.x % kLanesPerItem;
   const int group = threadIdx.x / kLanesPerItem;
-  const int num_groups = blockDim.x / kLanesPerItem;  // the launcher makes it >= heads / HPT
+  const int num_groups = blockDim.x / kLanesPerItem;  // >= heads / kHeadsPerThread (launcher)
   const int64_t token = blockIdx.x;
   if constexpr (kPdl) {
     pdl_wait();  // qkv is the previous kernel's output
@@ -309,9 +293,9 @@ __global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_ro
   const int64_t pos = positions[token];
   const int32_t slot = slot_mapping[token];
   const T* row = qkv + token * qkv_stride + lane * kVec;
-  Vec8<T> lo[HPT], hi[HPT];
+  Vec8<T> lo[kHeadsPerThread], hi[kHeadsPerThread];
 #pragma unroll
-  for (int r = 0; r < HPT; ++r) {
+  for (int r = 0; r < kHeadsPerThread; ++r) {
     const int h = group + r * num_groups;
     if (h < num_heads) {
       lo[r] = load_vec8(row + h * kHeadDim);
@@ -343,7 +327,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_ro
   T* v_row = v_cache + kv_offset + lane * kVec;
 
 #pragma unroll
-  for (int r = 0; r < HPT; ++r) {
+  for (int r = 0; r < kHeadsPerThread; ++r) {
     const int h = group + r * num_groups;
     // Every lane shuffles (the mask is the whole warp), including lanes past the last head.
     const float ss = group_sum(sum_squares(lo[r], hi[r]));
@@ -369,360 +353,6 @@ __global__ void __launch_bounds__(kTokenMaxThreads, HPT <= 4 ? 4 : 1) qk_norm_ro
       store_vec8(dst + kHalf, hi[r]);
     }
   }
-}
-
-// ---- pipe: a CTA walks a run of tokens, cos/sin one token ahead -------------------------------
-
-// cp.async (sm_80+): 16 bytes global -> shared without a register; completion per commit group.
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// The run of tokens of CTA b among G: [b*T/G, (b+1)*T/G), sizes differing by at most one.
-__device__ __forceinline__ void token_run(int64_t num_tokens, int64_t* begin, int64_t* end) {
-  *begin = static_cast<int64_t>(blockIdx.x) * num_tokens / gridDim.x;
-  *end = (static_cast<int64_t>(blockIdx.x) + 1) * num_tokens / gridDim.x;
-}
-
-// The token kernel's work split, but each CTA takes a run of tokens (the whole batch spread over
-// the resident CTAs, or a few tokens each). Per token: the qkv loads, then the cos/sin row of the
-// NEXT token goes to shared memory by cp.async (its position was loaded a token earlier), so a
-// token waits on one memory latency (its qkv) instead of two (position, then cos/sin).
-// cos/sin rows rotate through three buffers: with one barrier per token, a slow thread may still
-// read row j-1 while row j+1 is being written, never row j+1's buffer.
-template <typename T, int HPT>
-__global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_pipe_kernel(
-    T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
-    const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
-                                               //   qkv_stride (elements)
-    const T* __restrict__ q_norm_weight,       // [128]
-    const T* __restrict__ k_norm_weight,       // [128]
-    const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
-    const int64_t* __restrict__ positions,     // [num_tokens]
-    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
-    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
-    const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
-    int64_t num_tokens, int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
-  __shared__ __align__(16) float cs_s[3][kHeadDim];  // cos | sin rows of tokens j-1, j, j+1
-  __shared__ __align__(16) T w_s[2][kHeadDim];       // q_norm, k_norm
-  const int num_heads = num_q_heads + 2 * num_kv_heads;
-  const int num_qk = num_q_heads + num_kv_heads;
-  const int lane = threadIdx.x % kLanesPerItem;
-  const int group = threadIdx.x / kLanesPerItem;
-  const int num_groups = blockDim.x / kLanesPerItem;
-  const bool copies_cs = threadIdx.x < kCosSinChunks;  // one 16-byte chunk of a row each
-  int64_t begin, end;
-  token_run(num_tokens, &begin, &end);
-  if (begin >= end) return;  // whole CTA: no barrier is left waiting
-
-  // Prologue: the first two positions (the first is used after the first token's qkv loads are
-  // in flight) and both weights.
-  const int64_t pos_first = positions[begin];
-  int64_t pos_next = begin + 1 < end ? positions[begin + 1] : 0;
-  constexpr int kWeightChunks = 2 * kHeadDim / kVec;
-  for (int i = threadIdx.x; i < kWeightChunks; i += blockDim.x)
-    cp_async16(&w_s[i / 16][(i % 16) * kVec],
-               (i < 16 ? q_norm_weight : k_norm_weight) + (i % 16) * kVec);
-  cp_async_commit();
-
-  int buf = 0;  // cs_s buffer of token j
-  for (int64_t j = begin; j < end; ++j) {
-    const T* row = qkv + j * qkv_stride + lane * kVec;
-    Vec8<T> lo[HPT], hi[HPT];
-#pragma unroll
-    for (int r = 0; r < HPT; ++r) {
-      const int h = group + r * num_groups;
-      if (h < num_heads) {
-        lo[r] = load_vec8(row + h * kHeadDim);
-        hi[r] = load_vec8(row + h * kHeadDim + kHalf);
-      } else {
-        lo[r] = zero_vec8<T>();
-        hi[r] = zero_vec8<T>();
-      }
-    }
-    const int32_t slot = slot_mapping[j];
-    if (j == begin) {  // the only cos/sin row fetched a memory round trip late
-      if (copies_cs)
-        cp_async16(&cs_s[0][threadIdx.x * 4],
-                   cos_sin_cache + pos_first * kHeadDim + threadIdx.x * 4);
-      cp_async_commit();
-    }
-    const int next_buf = buf == 2 ? 0 : buf + 1;
-    if (copies_cs && j + 1 < end)
-      cp_async16(&cs_s[next_buf][threadIdx.x * 4],
-                 cos_sin_cache + pos_next * kHeadDim + threadIdx.x * 4);
-    cp_async_commit();  // possibly empty: the group count stays one per token
-    pos_next = j + 2 < end ? positions[j + 2] : 0;
-    cp_async_wait<1>();  // every group but the newest (row j+1): row j and the weights landed
-    __syncthreads();
-
-    const int64_t kv_offset = static_cast<int64_t>(slot < 0 ? 0 : slot) * num_kv_heads * kHeadDim;
-    T* q_row = q_out + j * num_q_heads * kHeadDim + lane * kVec;
-    T* k_row = k_cache + kv_offset + lane * kVec;
-    T* v_row = v_cache + kv_offset + lane * kVec;
-    const float* cs = cs_s[buf];
-#pragma unroll
-    for (int r = 0; r < HPT; ++r) {
-      const int h = group + r * num_groups;
-      const float ss = group_sum(sum_squares(lo[r], hi[r]));
-      if (h >= num_heads) continue;
-      if (h < num_qk) {
-        const bool is_q = h < num_q_heads;
-        if (!is_q && slot < 0) continue;
-        const float inv_rms = rsqrtf(ss * (1.f / kHeadDim) + eps);
-        float c[kVec], s[kVec];
-        load_f8(cs + lane * kVec, c);
-        load_f8(cs + kHalf + lane * kVec, s);
-        const T* w = w_s[is_q ? 0 : 1];
-        Vec8<T> o1, o2;
-        norm_rope(lo[r], hi[r], inv_rms, load_vec8(w + lane * kVec),
-                  load_vec8(w + kHalf + lane * kVec), c, s, o1, o2);
-        T* dst = is_q ? q_row + h * kHeadDim : k_row + (h - num_q_heads) * kHeadDim;
-        store_vec8(dst, o1);
-        store_vec8(dst + kHalf, o2);
-      } else {
-        if (slot < 0) continue;
-        T* dst = v_row + (h - num_qk) * kHeadDim;
-        store_vec8(dst, lo[r]);
-        store_vec8(dst + kHalf, hi[r]);
-      }
-    }
-    buf = next_buf;
-  }
-}
-
-// ---- bulk: sm_90 bulk copies through a ring of shared-memory stages ----------------------------
-
-constexpr int kBulkThreads = 128;  // 16 groups rotate a token's q and k heads
-
-// One stage = one token: its cos/sin row (fp32) then its qkv row; both sizes are multiples of 16
-// bytes, as every bulk copy's address and size must be.
-__host__ __device__ inline int64_t bulk_stage_bytes(int num_heads, int elem_bytes) {
-  return kCosSinChunks * 16 + int64_t{num_heads} * kHeadDim * elem_bytes;
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define QWEN3_QKNR_HAS_BULK 1
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// Blocks until the barrier's phase of this parity has completed. A phase that never completes
-// can only be a bug (a copy that was never issued, a wrong byte count): after ~10 s the kernel
-// traps, an error the host sees, instead of hanging the process.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  uint64_t start = 0;
-  for (uint32_t k = 1; !done; ++k) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-    if (!done && k % 4096 == 0) {
-      const uint64_t now = global_timer_ns();
-      if (start == 0) start = now;
-      else if (now - start > 10000000000ull) __trap();
-    }
-  }
-}
-// global -> shared, completion counted in bytes on bar.
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes,
-                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_u32(smem_dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-// shared -> global, tracked by the issuing thread's bulk groups.
-__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-               "r"(smem_u32(smem_src)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// Wait until at most N of this thread's bulk-store groups still read shared memory.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-#endif
-
-// A CTA takes a run of tokens (token_run); thread 0 keeps STAGES - 1 tokens loading ahead of the
-// one being rotated. Per token i, stage i % STAGES, barrier full[stage]:
-//   thread 0: bulk-load the qkv row and the cos/sin row (its position fetched one load earlier)
-//   all:      wait full, rotate q and k heads in place, fence (generic -> async proxy), barrier
-//   thread 0: bulk-store q (one Hq*256-byte row), K and V (Hkv*256 bytes each, at the slot);
-//             then refill the stage of token i-1, whose stores have read it by then.
-// V never leaves shared memory for a register; no qkv byte occupies a register while in flight.
-template <typename T, int STAGES>
-__global__ void __launch_bounds__(kBulkThreads) qk_norm_rope_bulk_kernel(
-    T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
-    const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
-                                               //   qkv_stride (elements)
-    const T* __restrict__ q_norm_weight,       // [128]
-    const T* __restrict__ k_norm_weight,       // [128]
-    const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
-    const int64_t* __restrict__ positions,     // [num_tokens]
-    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
-    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
-    const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
-    int64_t num_tokens, int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
-#ifdef QWEN3_QKNR_HAS_BULK
-  extern __shared__ __align__(128) unsigned char smem[];  // [STAGES][cos/sin row | qkv row]
-  __shared__ uint64_t full[STAGES];
-  __shared__ int32_t slot_s[STAGES];  // written and read by thread 0 only
-  const int num_heads = num_q_heads + 2 * num_kv_heads;
-  const int num_qk = num_q_heads + num_kv_heads;
-  const uint32_t row_bytes = static_cast<uint32_t>(num_heads) * kHeadDim * sizeof(T);
-  const uint32_t stage_bytes = row_bytes + kCosSinChunks * 16;
-  int64_t begin, end;
-  token_run(num_tokens, &begin, &end);
-  const int n = static_cast<int>(end - begin);
-  if (n <= 0) return;
-  auto stage_cs = [&](int s) { return reinterpret_cast<float*>(smem + s * stage_bytes); };
-  auto stage_row = [&](int s) {
-    return reinterpret_cast<T*>(smem + s * stage_bytes + kCosSinChunks * 16);
-  };
-
-  // Thread 0's producer state: the next token to load and its position / slot, fetched one load
-  // ahead so issuing a load never waits on a memory round trip.
-  int loaded = 0;
-  int64_t pos_ahead = 0;
-  int32_t slot_ahead = -1;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(&full[s], 1);
-    // Make the initialised barriers visible to the bulk-copy (async) proxy.
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    // Prologue: every qkv row first (no dependency), then the positions -> cos/sin rows. The
-    // positions and slots are loaded together into registers before the first dependent copy.
-    const int first = n < STAGES ? n : STAGES;
-    int64_t pos[STAGES];
-    int32_t slot[STAGES];
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      pos[s] = s < first ? positions[begin + s] : 0;
-      slot[s] = s < first ? slot_mapping[begin + s] : -1;
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      if (s < first) {
-        mbar_arrive_expect_tx(&full[s], stage_bytes);
-        bulk_load(stage_row(s), qkv + (begin + s) * qkv_stride, row_bytes, &full[s]);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      if (s < first) {
-        bulk_load(stage_cs(s), cos_sin_cache + pos[s] * kHeadDim, kCosSinChunks * 16, &full[s]);
-        slot_s[s] = slot[s];
-      }
-    }
-    loaded = first;
-    if (loaded < n) {
-      pos_ahead = positions[begin + loaded];
-      slot_ahead = slot_mapping[begin + loaded];
-    }
-  }
-  const int lane = threadIdx.x % kLanesPerItem;
-  const int group = threadIdx.x / kLanesPerItem;
-  constexpr int kGroups = kBulkThreads / kLanesPerItem;
-  const Vec8<T> wq1 = load_vec8(q_norm_weight + lane * kVec);
-  const Vec8<T> wq2 = load_vec8(q_norm_weight + kHalf + lane * kVec);
-  const Vec8<T> wk1 = load_vec8(k_norm_weight + lane * kVec);
-  const Vec8<T> wk2 = load_vec8(k_norm_weight + kHalf + lane * kVec);
-  __syncthreads();  // the barriers are initialised before anyone waits on them
-  const int iters = (num_qk + kGroups - 1) / kGroups;  // uniform: every lane joins every shuffle
-
-  for (int i = 0; i < n; ++i) {
-    const int st = i % STAGES;
-    mbar_wait(&full[st], (i / STAGES) & 1);
-    T* row = stage_row(st);
-    const float* cs = stage_cs(st);
-    for (int it = 0; it < iters; ++it) {
-      const int h = group + it * kGroups;
-      const bool valid = h < num_qk;
-      T* p = row + (valid ? h : 0) * kHeadDim + lane * kVec;
-      const Vec8<T> lo = valid ? load_vec8(p) : zero_vec8<T>();
-      const Vec8<T> hi = valid ? load_vec8(p + kHalf) : zero_vec8<T>();
-      const float ss = group_sum(sum_squares(lo, hi));
-      if (!valid) continue;
-      const bool is_q = h < num_q_heads;
-      float c[kVec], s[kVec];
-      load_f8(cs + lane * kVec, c);
-      load_f8(cs + kHalf + lane * kVec, s);
-      Vec8<T> o1, o2;
-      norm_rope(lo, hi, rsqrtf(ss * (1.f / kHeadDim) + eps), select_vec8(is_q, wq1, wk1),
-                select_vec8(is_q, wq2, wk2), c, s, o1, o2);
-      store_vec8(p, o1);
-      store_vec8(p + kHalf, o2);
-    }
-    // Generic-proxy writes to shared memory become visible to the bulk stores: fence, barrier.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const uint32_t q_bytes = static_cast<uint32_t>(num_q_heads) * kHeadDim * sizeof(T);
-      const uint32_t kv_bytes = static_cast<uint32_t>(num_kv_heads) * kHeadDim * sizeof(T);
-      const int32_t slot = slot_s[st];
-      bulk_store(q_out + (begin + i) * num_q_heads * kHeadDim, row, q_bytes);
-      if (slot >= 0) {
-        const int64_t off = static_cast<int64_t>(slot) * num_kv_heads * kHeadDim;
-        bulk_store(k_cache + off, row + num_q_heads * kHeadDim, kv_bytes);
-        bulk_store(v_cache + off, row + num_qk * kHeadDim, kv_bytes);
-      }
-      bulk_commit();
-      // Refill the stage of token i-1 (loaded == i - 1 + STAGES here): its stores, one group
-      // back, must have finished reading it; the group just committed may still be reading.
-      if (i >= 1 && loaded < n) {
-        bulk_wait_read<1>();
-        const int sp = (i - 1) % STAGES;
-        mbar_arrive_expect_tx(&full[sp], stage_bytes);
-        bulk_load(stage_row(sp), qkv + (begin + loaded) * qkv_stride, row_bytes, &full[sp]);
-        bulk_load(stage_cs(sp), cos_sin_cache + pos_ahead * kHeadDim, kCosSinChunks * 16,
-                  &full[sp]);
-        slot_s[sp] = slot_ahead;
-        ++loaded;
-        if (loaded < n) {
-          pos_ahead = positions[begin + loaded];
-          slot_ahead = slot_mapping[begin + loaded];
-        }
-      }
-    }
-  }
-  // Shared memory must outlive the stores' reads of it; the global writes then complete on
-  // their own and are visible to the next kernel.
-  if (threadIdx.x == 0) bulk_wait_read<0>();
-#else
-  __trap();  // the launcher never picks this variant below sm_90
-#endif
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -770,12 +400,12 @@ int token_groups(int num_heads, int hpt) {
   return (groups + 3) / 4 * 4;
 }
 
-template <typename T, int HPT, bool kPdl = false>
+template <typename T, bool kPdl>
 cudaError_t launch_token(const Args& a) {
-  const int threads = token_groups(a.num_heads(), HPT) * kLanesPerItem;
+  const int threads = token_groups(a.num_heads(), kHeadsPerThread) * kLanesPerItem;
   if (a.num_tokens > 0x7fffffff || threads > kTokenMaxThreads) return cudaErrorInvalidValue;
   const bool pdl = kPdl && current_device_info().cc_major >= 9;
-  return launch_ex(qk_norm_rope_token_kernel<T, HPT, kPdl>,
+  return launch_ex(qk_norm_rope_token_kernel<T, kPdl>,
                    dim3(static_cast<unsigned>(a.num_tokens)), dim3(threads), a.stream, pdl, 1,
                    static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
                    static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
@@ -784,76 +414,13 @@ cudaError_t launch_token(const Args& a) {
                    a.num_kv_heads, a.eps);
 }
 
-// CTAs for a run-of-tokens kernel: tokens_per_cta > 0 gives ceil(T / tokens_per_cta) CTAs (the
-// hardware scheduler balances the tail); 0 gives as many as are resident at once (persistent: one
-// wave, runs differing by at most one token).
-template <typename Kernel>
-cudaError_t run_grid(Kernel kernel, int threads, int64_t smem, int64_t num_tokens,
-                     int tokens_per_cta, int64_t* grid) {
-  if (tokens_per_cta > 0) {
-    *grid = (num_tokens + tokens_per_cta - 1) / tokens_per_cta;
-  } else {
-    int dev = 0, sms = 0, per_sm = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                          static_cast<size_t>(smem));
-    if (err != cudaSuccess) return err;
-    const int64_t resident = int64_t{sms} * (per_sm > 0 ? per_sm : 1);
-    *grid = num_tokens < resident ? num_tokens : resident;
-  }
-  return *grid > 0x7fffffff ? cudaErrorInvalidValue : cudaSuccess;
-}
-
-template <typename T, int HPT>
-cudaError_t launch_pipe(const Args& a, int tokens_per_cta) {
-  const int threads = token_groups(a.num_heads(), HPT) * kLanesPerItem;
-  if (threads > kTokenMaxThreads) return cudaErrorInvalidValue;
-  auto kernel = qk_norm_rope_pipe_kernel<T, HPT>;
-  int64_t grid = 0;
-  cudaError_t err = run_grid(kernel, threads, 0, a.num_tokens, tokens_per_cta, &grid);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), threads, 0, a.stream>>>(
-      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
-      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
-      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
-      a.slot_mapping, a.num_tokens, a.qkv_stride, a.num_q_heads, a.num_kv_heads, a.eps);
-  return cudaGetLastError();
-}
-
-template <typename T, int STAGES>
-cudaError_t launch_bulk(const Args& a) {
-  const int64_t smem = STAGES * bulk_stage_bytes(a.num_heads(), sizeof(T));
-  auto kernel = qk_norm_rope_bulk_kernel<T, STAGES>;
-  if (smem > 48 * 1024) {
-    cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return err;
-  }
-  int64_t grid = 0;
-  cudaError_t err = run_grid(kernel, kBulkThreads, smem, a.num_tokens, 0, &grid);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(grid), kBulkThreads, static_cast<size_t>(smem), a.stream>>>(
-      static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
-      static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
-      a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache),
-      a.slot_mapping, a.num_tokens, a.qkv_stride, a.num_q_heads, a.num_kv_heads, a.eps);
-  return cudaGetLastError();
-}
-
-enum class Variant {
-  kAuto, kItem, kToken, kTokenPdl, kToken8, kPipe, kPipe4, kBulk, kBulk2, kBulk8
-};
+enum class Variant { kAuto, kItem, kToken, kTokenPdl };
 
 constexpr struct {
   const char* name;
   Variant v;
-} kVariantNames[] = {{"item", Variant::kItem},   {"token", Variant::kToken},
-                     {"token_pdl", Variant::kTokenPdl},
-                     {"token8", Variant::kToken8}, {"pipe", Variant::kPipe},
-                     {"pipe4", Variant::kPipe4}, {"bulk", Variant::kBulk},
-                     {"bulk2", Variant::kBulk2}, {"bulk8", Variant::kBulk8}};
+} kVariantNames[] = {
+    {"item", Variant::kItem}, {"token", Variant::kToken}, {"token_pdl", Variant::kTokenPdl}};
 
 // QWEN3_QK_NORM_ROPE_VARIANT, read at every launch (a getenv: far below a launch's cost) so a
 // benchmark can time each variant in one process. A malformed value is reported once and ignored.
@@ -867,23 +434,9 @@ Variant variant_from_env() {
     warned = true;
     std::fprintf(stderr,
                  "qwen3_kernels: QWEN3_QK_NORM_ROPE_VARIANT=%s is not one of auto, item, token, "
-                 "token_pdl, token8, pipe, pipe4, bulk, bulk2, bulk8; using auto\n", e);
+                 "token_pdl; using auto\n", e);
   }
   return Variant::kAuto;
-}
-
-// Bulk copies need sm_90; cached per device (a launch should not query the driver each time).
-bool device_has_bulk_copy() {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  static int major[64] = {};  // 0 = not asked yet
-  if (major[dev] == 0) {
-    int m = 0;
-    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-      return false;
-    major[dev] = m;
-  }
-  return major[dev] >= 9;
 }
 
 }  // namespace
@@ -920,31 +473,16 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   // token-major kernel (2.2-4.9 us).
   Variant v = variant_from_env();
   if (v == Variant::kAuto) v = many ? Variant::kTokenPdl : Variant::kItem;
-  // Fall back where a variant does not apply: bulk needs sm_90 and its stages in shared memory
-  // (227 KB); the token-major kernels need their groups in one CTA of <= 256 threads.
-  if (v == Variant::kBulk || v == Variant::kBulk2 || v == Variant::kBulk8) {
-    const int stages = v == Variant::kBulk ? 4 : v == Variant::kBulk2 ? 2 : 8;
-    if (!device_has_bulk_copy() ||
-        stages * bulk_stage_bytes(num_heads, 2) > 227 * 1024)
-      v = Variant::kPipe;
-  }
-  const bool fits4 = token_groups(num_heads, 4) * kLanesPerItem <= kTokenMaxThreads;
-  const bool fits8 = token_groups(num_heads, 8) * kLanesPerItem <= kTokenMaxThreads;
-  const bool token4 = v == Variant::kToken || v == Variant::kTokenPdl;
-  if ((token4 || v == Variant::kPipe || v == Variant::kPipe4) && !fits4)
-    v = fits8 ? Variant::kToken8 : Variant::kItem;
-  if (v == Variant::kToken8 && !fits8) v = Variant::kItem;
+  // The token kernels need a token's head groups in one CTA of <= 256 threads (<= 128 heads: every
+  // Qwen3 model has <= 72); past that the item kernel runs.
+  const bool token = v == Variant::kToken || v == Variant::kTokenPdl;
+  if (token && token_groups(num_heads, kHeadsPerThread) * kLanesPerItem > kTokenMaxThreads)
+    v = Variant::kItem;
 
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     switch (v) {
-      case Variant::kToken: return launch_token<T, 4>(a);
-      case Variant::kTokenPdl: return launch_token<T, 4, true>(a);
-      case Variant::kToken8: return launch_token<T, 8>(a);
-      case Variant::kPipe: return launch_pipe<T, 4>(a, 0);
-      case Variant::kPipe4: return launch_pipe<T, 4>(a, 4);
-      case Variant::kBulk: return launch_bulk<T, 4>(a);
-      case Variant::kBulk2: return launch_bulk<T, 2>(a);
-      case Variant::kBulk8: return launch_bulk<T, 8>(a);
+      case Variant::kToken: return launch_token<T, false>(a);
+      case Variant::kTokenPdl: return launch_token<T, true>(a);
       default:
         // Large batches: two items per thread doubles the bytes in flight. Small batches: one
         // item per thread spreads the few items over more SMs, and hoisting the weight / cos-sin

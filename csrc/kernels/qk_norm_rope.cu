@@ -474,7 +474,7 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   Variant v = variant_from_env();
   if (v == Variant::kAuto) v = many ? Variant::kTokenPdl : Variant::kItem;
   // The token kernels need a token's head groups in one CTA of <= 256 threads (<= 128 heads: every
-  // Qwen3 model has <= 72); past that the item kernel runs.
+  // Qwen3 model has <= 80, Hq + 2 Hkv); past that the item kernel runs.
   const bool token = v == Variant::kToken || v == Variant::kTokenPdl;
   if (token && token_groups(num_heads, kHeadsPerThread) * kLanesPerItem > kTokenMaxThreads)
     v = Variant::kItem;

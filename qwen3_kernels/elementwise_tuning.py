@@ -6,12 +6,13 @@
         qwen3_kernels.rms_norm(x, w, 1e-6)
 
 What each variant launches is documented at the top of csrc/kernels/activation.cu ("silu"),
-csrc/kernels/norm.cu ("norm") and csrc/kernels/gemm/qkv_gemm_gemv.cu ("gemv": the weight-streaming
-GEMV behind qkv_gemm at T = 1 and linear_silu_and_mul). The choice is process-wide and applies to launches made after it
-is set (a CUDA graph keeps what was set when it was captured). It lives in the extension (exported
-C functions found through ctypes), so an op pays one relaxed atomic load for it; the environment
-variables QWEN3_SILU_VARIANT / QWEN3_NORM_VARIANT / QWEN3_GEMV_VARIANT (a name or an index) give
-the initial value.
+csrc/kernels/norm.cu ("norm"), csrc/kernels/gemm/qkv_gemm_gemv.cu ("gemv": the weight-streaming
+GEMV behind qkv_gemm at T = 1 and linear_silu_and_mul) and csrc/kernels/decode_chain.cu ("chain").
+The choice is process-wide and applies to launches made after it is set (a CUDA graph keeps what
+was set when it was captured). It lives in the extension (exported C functions found through
+ctypes), so an op pays one relaxed atomic load for it; the environment variables
+QWEN3_SILU_VARIANT / QWEN3_NORM_VARIANT / QWEN3_GEMV_VARIANT / QWEN3_CHAIN_VARIANT (a name or an
+index) give the initial value.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import ctypes
 import functools
 
-OPS = ("silu", "norm", "gemv")
+OPS = ("silu", "norm", "gemv", "chain")
 
 
 @functools.lru_cache(maxsize=None)

@@ -192,3 +192,27 @@ def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
           f"on {equal}/8 prompts; "
           f"equal prefix per prompt {prefix}")
     assert all(p >= 1 for p in prefix) and equal >= 6, prefix
+
+
+def test_batch1_decode_chain_graph_equals_eager(ckpt, monkeypatch):
+    """One sequence with QWEN3_DECODE_CHAIN=1: every decode step runs the decode_chain kernel (on
+    sm_90), in the bucket-1 graph and eagerly; the kernel is deterministic, so greedy tokens must
+    be identical."""
+    monkeypatch.setenv("QWEN3_DECODE_CHAIN", "1")
+    prompts = prompts_of([37])
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kw = dict(kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
+    llm = LLM(ckpt, gpu_memory_utilization=0.2, **kw)
+    runner = llm.model_runner
+    chain = runner.model.model.uses_decode_chain(1)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert chain, "the batch-1 step should run decode_chain on sm_90"
+    graph_out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert runner.num_graph_steps >= 40
+    del llm, runner
+    free_cuda()
+    eager = LLM(ckpt, enforce_eager=True, num_kvcache_blocks=256, **kw)
+    eager_out = [o.token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    del eager
+    free_cuda()
+    assert graph_out == eager_out

@@ -50,6 +50,34 @@ __device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
+// Eight 16-bit values (one 16-byte load, element 0 in the low half of .x) to fp32, from registers:
+// load the 16 bytes first (one LDS.128 / LDG.128), then convert. (Reading the elements through a
+// T* cast of the word made nvcc issue eight 2-byte shared loads instead, thirteenth session.)
+template <typename T>
+__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]);
+
+template <>
+__device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
+  // bf16 is the top half of an fp32: a shift or a mask, no conversion instruction.
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(words[i] << 16);
+    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+template <>
+__device__ __forceinline__ void to_float8<__half>(const uint4& v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -77,32 +77,6 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
   return r;
 }
 
-// Eight 16-bit values (one 16-byte load, element 0 in the low half of .x) to fp32.
-template <typename T>
-__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]);
-
-template <>
-__device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
-  // bf16 is the top half of an fp32: a shift or a mask, no conversion instruction.
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(words[i] << 16);
-    f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
-
-template <>
-__device__ __forceinline__ void to_float8<__half>(const uint4& v, float (&f)[8]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
 // One stage of weight loads: slice u of row r at columns kk + 256 u + 8 lane .. +7. Columns at or
 // past k (only in the last stage; k % 8 == 0, so a lane's 8 columns are all in or all out) are not
 // read.

@@ -1,0 +1,525 @@
+// decode_chain: one token (batch 1) from a layer's attention output to the next layer's packed
+// QKV in one persistent kernel, so the weights stream without the gaps between launches.
+//
+//   o      = attn @ W_o^T                                   [H]   (o_proj)
+//   r1     = residual + o;  h = rms_norm(r1) * w_post        [H]   (post_attention_layernorm)
+//   act    = silu(h @ W_gate^T) * (h @ W_up^T)               [I]   (gate_up_proj + silu_and_mul)
+//   d      = act @ W_down^T                                 [H]   (down_proj)
+//   r2     = r1 + d;    x = rms_norm(r2) * w_next           [H]   (next input_layernorm, or the
+//                                                                  model's final norm)
+//   out    = x @ W_qkv^T (the next layer's qkv_proj), or x when there is no next layer
+//   residual <- r2
+// Every intermediate is rounded to the dtype where the unfused ops store it, so the chain computes
+// what the six launches it replaces compute (reference.decode_chain), up to summation order.
+//
+// Why one kernel: at batch 1 a decode step is a pass over the weights (Qwen3-8B: 15.1 GB, 3.5 ms at
+// the read ceiling), and between the unfused launches the memory system idles: each GEMV's ramp and
+// tail, each norm's launch (eleventh session: ~400 us of a 4.56 ms step). Here each CTA keeps its
+// weight loads in flight across the stage boundaries: a stage's input is needed only to multiply,
+// not to load the weight, so the next stage's first chunks are already on their way while the
+// grid waits at the barrier and the norms are rebuilt.
+//
+// Shape of the kernel:
+//   - One CTA per SM (grid = SM count; the ring's shared memory leaves room for one), 8 warps; all
+//     CTAs must be resident at once for the grid barriers, which one CTA per SM and nothing else
+//     running guarantees in stream order (the kernel never triggers its dependents early).
+//   - Every warp owns whole outputs (rows of a weight; gate_up: the pair of rows u and I + u) over
+//     the full K: no split-K, no partial sums between warps. Output u of a stage goes to warp
+//     u mod (8 x grid), so a warp's work is a fixed list of rows known before the kernel starts.
+//   - Each warp streams its rows through its own ring of S slots in shared memory, chunks of up
+//     to 4096 columns (8 KB) of one row, each one TMA bulk copy issued by the warp's lane 0 and
+//     completed on the slot's mbarrier; the ring is the warp's alone, nothing is shared between
+//     warps. (A first version, twelfth session, shared one ring among the warps through mbarrier
+//     phases; parity cannot tell a slot's use u from u - 2, a warp more than a ring ahead read a
+//     stale chunk, and the pipeline hung. Here a slot's next copy is issued only after this warp
+//     has read its last one, so every wait is for the slot's next phase.) The refill of a slot is
+//     issued after the chunk in it has been multiplied, S chunks ahead in the warp's list, across
+//     stage boundaries.
+//   - Stages are separated by grid barriers (an arrival count and a generation word in the
+//     workspace). After a barrier every CTA rebuilds the next stage's input in shared memory
+//     itself (the norms are 4096-wide: redundant work on 132 SMs is cheaper than one more barrier).
+//   - x (the stage's input) sits in shared memory as the dtype; each lane reads 16 bytes of it per
+//     16 bytes of weight, at ~17 bytes of weight per SM clock well under shared memory's 128.
+//   - Optional: after its last stage the kernel asks L2 to keep `l2_prefetch` (the next layer's
+//     W_o), which the attention kernels between this chain and the next leave the DRAM idle for.
+//
+// Launch variants (QWEN3_CHAIN_VARIANT; qwen3_chain_set_variant for the benchmarks):
+//   auto  a plain launch
+//   pdl   programmatic dependent launch: the first S chunks of W_o are requested before
+//         griddepcontrol.wait, while the kernel before finishes (the weights are never written by
+//         it); everything else waits.
+//   coop  a cooperative launch: the driver refuses a grid that cannot be resident at once (an
+//         error instead of a hang); otherwise the plain launch.
+// A wait that lasts 5 s (a lost arrival, a CTA that never became resident) traps: the launch
+// fails with an error instead of holding the GPU. QWEN3_CHAIN_DEBUG=1 (read once): such a wait
+// gives up instead, the CTA returns and leaves its state in the workspace's barrier words.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/launchers.h"
+#include "qwen3_kernels/tuning.cuh"
+
+namespace qwen3_kernels {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kSlice = 256;                         // columns of one 16-byte load across a warp
+constexpr int kChunkSlices = 16;                    // slices per ring slot: 4096 columns
+[[maybe_unused]] constexpr int kChunkCols = kChunkSlices * kSlice;
+constexpr int kSlotBytes = kChunkSlices * 32 * 16;  // 8 KB per warp per slot
+// sm_90's opt-in limit per block is 227 KB for dynamic + static shared memory together (block_sum's
+// partials are static): 1 KB is left for them.
+constexpr int kMaxSmem = 226 * 1024;
+// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier)
+constexpr int64_t kBarrierBytes = 16384;
+[[maybe_unused]] constexpr unsigned long long kWatchdogNs = 5000000000ull;
+
+enum Variant { kAuto, kPdl, kCoop, kNumVariants };
+constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "coop"};
+
+VariantKnob<kNumVariants>& knob() {
+  static VariantKnob<kNumVariants> k("QWEN3_CHAIN_VARIANT", kVariantNames);
+  return k;
+}
+
+int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
+
+// Workspace: the barrier words, then o [H], act [I], d [H] as the dtype (the stage outputs every
+// CTA reads after a barrier).
+struct WorkspaceLayout {
+  int64_t o, act, d, total;
+  WorkspaceLayout(int64_t hidden, int64_t inter) {
+    o = kBarrierBytes;
+    act = o + align256(2 * hidden);
+    d = act + align256(2 * inter);
+    total = d + align256(2 * hidden);
+  }
+};
+
+template <typename T>
+struct ChainArgs {
+  T* out;                  // [N] (the next qkv) or [H] (no next layer)
+  const T* attn;           // [Q]
+  T* residual;             // [H], in: before the layer's attention add; out: r2
+  const T* post_norm_w;    // [H]
+  const T* next_norm_w;    // [H]
+  const T* w[4];           // per stage: W_o [H, Q], W_gate_up [2I, H], W_down [H, I], W_qkv [N, H]
+  int k[4];                // per stage: the input length (columns of w)
+  int units[4];            // per stage: outputs (gate_up: I, two rows each)
+  int num_stages;          // 4, or 3 without a next qkv
+  int hidden, inter, max_k;
+  float eps;
+  uint32_t* barrier;       // [0]: arrivals, [32]: generation
+  T* o_buf;                // [H]
+  T* act_buf;              // [I]
+  T* d_buf;                // [H]
+  const char* prefetch;    // l2_prefetch bytes, or nullptr
+  int64_t prefetch_bytes;
+  int debug;               // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-3 timing (kernel) (no trap)
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Every CTA arrives, the last one resets the count and advances the generation; the others wait
+// for the generation to move. The CTA's writes before the barrier are visible to every CTA's reads
+// after it (bar.sync, then a gpu-scope fence around the atomics, as cooperative groups' grid sync).
+// Returns false when the wait gave up (debug only; otherwise the watchdog traps). Words from byte
+// 256: [64] CTAs that gave up, [65] the arrival count one of them saw; [256 + b]: the last barrier
+// CTA b entered (1-based), for QWEN3_CHAIN_DEBUG=1 runs.
+__device__ bool grid_barrier(uint32_t* barrier, int which, int debug) {
+  __shared__ int gave_up;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    gave_up = 0;
+    uint32_t* count = barrier;
+    uint32_t* generation = barrier + 32;
+    if (debug) atomicExch(barrier + 256 + blockIdx.x, static_cast<uint32_t>(which));
+    const uint32_t gen = load_acquire(generation);  // read before arriving: it cannot move yet
+    __threadfence();
+    if (atomicAdd(count, 1u) == gridDim.x - 1) {
+      atomicExch(count, 0u);
+      __threadfence();
+      atomicAdd(generation, 1u);
+    } else {
+      const unsigned long long start = globaltimer();
+      while (load_acquire(generation) == gen) {
+        __nanosleep(64);
+        if (globaltimer() - start > kWatchdogNs) {
+          if (!debug) __trap();
+          atomicAdd(barrier + 64, 1u);
+          atomicExch(barrier + 65, load_acquire(count));
+          gave_up = 1;
+          break;
+        }
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  return gave_up == 0;
+}
+
+// The ring's copies: one 1-D TMA bulk copy per chunk (global -> this CTA's shared memory), whose
+// completion is counted in bytes on the slot's mbarrier. One instruction moves a whole chunk; the
+// first version of this kernel (per-lane 16-byte cp.async) kept too little in flight and streamed
+// at 1.6 TB/s (thirteenth session).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// One arrival that also expects `bytes` of transactions, then the copy that completes them.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Waits until the phase of `bar` with this parity has completed (the chunk has landed).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  }
+}
+
+// Where a warp is in its list of chunks: stage s, unit u (its output), row r of the unit (gate_up:
+// 0 gate, 1 up), chunk c of the row. Producer and consumer walk the same list.
+struct Cursor {
+  int s, u, r, c;
+};
+
+__device__ __forceinline__ int chunks_of(int k) { return (k / kSlice + kChunkSlices - 1) / kChunkSlices; }
+
+// The first unit of this warp at or after stage s (s == num_stages: past the end).
+template <typename T>
+__device__ __forceinline__ void settle(Cursor& cur, const ChainArgs<T>& a, int warp_id) {
+  while (cur.s < a.num_stages && cur.u >= a.units[cur.s]) {
+    ++cur.s;
+    cur.u = warp_id;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void advance(Cursor& cur, const ChainArgs<T>& a, int warp_id, int num_warps) {
+  if (++cur.c < chunks_of(a.k[cur.s])) return;
+  cur.c = 0;
+  if (++cur.r < (cur.s == 1 ? 2 : 1)) return;
+  cur.r = 0;
+  cur.u += num_warps;
+  settle(cur, a, warp_id);
+}
+
+// The cursor's chunk into `slot` (lane 0 only; nothing past the end of the list).
+template <typename T>
+__device__ __forceinline__ void issue(const Cursor& cur, const ChainArgs<T>& a, char* slot,
+                                      uint64_t* bar) {
+  if (cur.s >= a.num_stages) return;
+  const int k = a.k[cur.s];
+  const int row = cur.u + (cur.r ? a.units[cur.s] : 0);
+  const T* src = a.w[cur.s] + static_cast<int64_t>(row) * k + cur.c * kChunkCols;
+  const int n = min(kChunkSlices, k / kSlice - cur.c * kChunkSlices);
+  bulk_copy(slot, src, static_cast<uint32_t>(n * kSlice * sizeof(T)), bar);
+}
+
+// Stage input from global memory: dst[0:n] = src (n % 8 == 0); L2 only (another CTA wrote it).
+template <typename T>
+__device__ __forceinline__ void copy_in(T* dst, const T* src, int n) {
+  for (int v = threadIdx.x; v < n / 8; v += kThreads)
+    *reinterpret_cast<uint4*>(dst + 8 * v) = __ldcg(reinterpret_cast<const uint4*>(src + 8 * v));
+}
+
+// res = round(res + add); x = round(rms_norm(res) * w); the whole CTA. The same thread writes and
+// reads back each 8-element group, and block_sum's barriers order the rest.
+template <typename T>
+__device__ void add_norm(T* x, T* res, const T* add, const T* w, int h, float eps) {
+  float ss = 0.f;
+  for (int v = threadIdx.x; v < h / 8; v += kThreads) {
+    float fr[8], fa[8];
+    const uint4 rv = *reinterpret_cast<const uint4*>(res + 8 * v);
+    to_float8<T>(rv, fr);
+    to_float8<T>(__ldcg(reinterpret_cast<const uint4*>(add + 8 * v)), fa);
+    Vec8<T> out;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      out.v[e] = from_float<T>(fr[e] + fa[e]);
+      const float r = to_float(out.v[e]);
+      ss += r * r;
+    }
+    store_vec8(res + 8 * v, out);
+  }
+  const float inv = rsqrtf(block_sum(ss) / h + eps);
+  for (int v = threadIdx.x; v < h / 8; v += kThreads) {
+    float fr[8], fw[8];
+    to_float8<T>(*reinterpret_cast<const uint4*>(res + 8 * v), fr);
+    to_float8<T>(*reinterpret_cast<const uint4*>(w + 8 * v), fw);
+    Vec8<T> out;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out.v[e] = from_float<T>(fr[e] * inv * fw[e]);
+    store_vec8(x + 8 * v, out);
+  }
+}
+
+// Builds stage s's input in x_s (after the barrier that ends stage s - 1), and at s ==
+// num_stages the kernel's own outputs (the residual; out when there is no next qkv).
+template <typename T>
+__device__ void build_input(int s, const ChainArgs<T>& a, T* x_s, T* res_s) {
+  if (s == 1) {
+    add_norm(x_s, res_s, a.o_buf, a.post_norm_w, a.hidden, a.eps);
+  } else if (s == 2) {
+    copy_in(x_s, a.act_buf, a.inter);
+  } else {  // s == 3: the next layer's input norm (also the end when there is no qkv)
+    add_norm(x_s, res_s, a.d_buf, a.next_norm_w, a.hidden, a.eps);
+    if (blockIdx.x == 0) {
+      for (int v = threadIdx.x; v < a.hidden / 8; v += kThreads) {
+        *reinterpret_cast<uint4*>(a.residual + 8 * v) = *reinterpret_cast<const uint4*>(res_s + 8 * v);
+        if (a.num_stages == 3)
+          *reinterpret_cast<uint4*>(a.out + 8 * v) = *reinterpret_cast<const uint4*>(x_s + 8 * v);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int S>
+__global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainArgs<T> a) {
+  extern __shared__ __align__(16) char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_id = blockIdx.x * kWarps + warp;
+  const int num_warps = gridDim.x * kWarps;
+  char* ring = smem + warp * S * kSlotBytes;  // this warp's S slots
+  __shared__ __align__(8) uint64_t bars[kWarps][3];  // slot j of warp w completes on bars[w][j]
+  uint64_t* bar = bars[warp];
+  if (lane == 0)
+    for (int j = 0; j < S; ++j) mbar_init(&bar[j]);
+  // the barriers' initialisation visible to the TMA unit (the async proxy) before the first copy
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  T* x_s = reinterpret_cast<T*>(smem + kWarps * S * kSlotBytes);
+  T* res_s = x_s + (a.max_k + 7) / 8 * 8;
+
+  // The first S chunks of the warp's list: weights only, so before the PDL wait.
+  Cursor prod{0, warp_id, 0, 0};
+  settle(prod, a, warp_id);
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
+    if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+  }
+  pdl_wait();  // attn and residual are the previous kernels' outputs
+  for (int v = threadIdx.x; v < a.k[0] / 8; v += kThreads)
+    *reinterpret_cast<uint4*>(x_s + 8 * v) = *reinterpret_cast<const uint4*>(a.attn + 8 * v);
+  for (int v = threadIdx.x; v < a.hidden / 8; v += kThreads)
+    *reinterpret_cast<uint4*>(res_s + 8 * v) = *reinterpret_cast<const uint4*>(a.residual + 8 * v);
+  __syncthreads();
+
+  // QWEN3_CHAIN_DEBUG bit 1: skip the multiply; bit 2: skip the grid barriers (both give wrong
+  // outputs: for timing only). Bit 3: thread 0 of each CTA stores globaltimer stamps (stage
+  // start after its barrier, stage end before the next) at byte 4096 + 80 * blockIdx.x.
+  unsigned long long* stamps =
+      reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
+  const bool stamp = (a.debug & 8) && threadIdx.x == 0;
+  if (stamp) stamps[0] = globaltimer();
+  int consumed = 0;
+  for (int s = 0; s < a.num_stages; ++s) {
+    if (s > 0) {
+      if (stamp) stamps[2 * s - 1] = globaltimer();
+      if (a.debug & 4) {
+        __syncthreads();
+      } else if (!grid_barrier(a.barrier, s, a.debug & 1)) {
+        return;
+      }
+      if (stamp) stamps[2 * s] = globaltimer();
+      build_input(s, a, x_s, res_s);
+    }
+    const int k = a.k[s], nch = chunks_of(k), rows = s == 1 ? 2 : 1;
+    T* const dst = s == 0 ? a.o_buf : s == 1 ? a.act_buf : s == 2 ? a.d_buf : a.out;
+    for (int u = warp_id; u < a.units[s]; u += num_warps) {
+      float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
+      for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < nch; ++c) {
+          const int j = consumed % S;  // the oldest chunk in flight, its slot's use consumed / S
+          mbar_wait(&bar[j], static_cast<uint32_t>(consumed / S) & 1u);
+          ++consumed;
+          const char* slot = ring + j * kSlotBytes + lane * 16;
+          const T* xs = x_s + c * kChunkCols + lane * 8;
+          const int n = min(kChunkSlices, k / kSlice - c * kChunkSlices);
+          float sum[2] = {0.f, 0.f};  // two FMA chains
+#pragma unroll
+          for (int i = 0; i < kChunkSlices; ++i) {
+            if (i < n && !(a.debug & 2)) {
+              const uint4 wv = *reinterpret_cast<const uint4*>(slot + i * 512);
+              const uint4 xv = *reinterpret_cast<const uint4*>(xs + i * kSlice);
+              float wf[8], xf[8];
+              to_float8<T>(wv, wf);
+              to_float8<T>(xv, xf);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) sum[i & 1] = fmaf(wf[e], xf[e], sum[i & 1]);
+            }
+          }
+          if (r == 0) acc0 += sum[0] + sum[1]; else acc1 += sum[0] + sum[1];
+          // every lane's reads of the slot are done (their values are used): refill it S chunks
+          // ahead; the copy overwrites what the generic proxy read, so fence the proxies
+          __syncwarp();
+          if (lane == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue(prod, a, ring + j * kSlotBytes, &bar[j]);
+          }
+          if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+        }
+      }
+      float y = warp_sum(acc0);
+      if (s == 1) {
+        // gate and up rounded first, as the unfused GEMM would store them; then silu_and_mul
+        const float g = to_float(from_float<T>(y));
+        const float up = to_float(from_float<T>(warp_sum(acc1)));
+        y = g / (1.0f + __expf(-g)) * up;
+      }
+      if (lane == 0) dst[u] = from_float<T>(y);
+    }
+  }
+  if (stamp) stamps[2 * a.num_stages - 1] = globaltimer();
+  if (a.num_stages == 3) {  // no next qkv: the final norm is the output
+    if (!grid_barrier(a.barrier, 3, a.debug & 1)) return;
+    if (blockIdx.x == 0) build_input(3, a, x_s, res_s);
+  }
+  if (a.prefetch != nullptr) {
+    const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * 128;
+    for (int64_t off = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * 128;
+         off < a.prefetch_bytes; off += step)
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a.prefetch + off));
+  }
+}
+#else  // the sm_80 pass: TMA bulk copies are sm_90; the host launches this kernel on sm_90 only
+template <typename T, int S>
+__global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainArgs<T> a) {}
+#endif
+
+template <typename T>
+size_t smem_bytes(int S, int max_k, int hidden) {
+  return static_cast<size_t>(kWarps) * S * kSlotBytes + (max_k + 7) / 8 * 8 * sizeof(T) +
+         (hidden + 7) / 8 * 8 * sizeof(T);
+}
+
+template <typename T, int S>
+cudaError_t launch(const ChainArgs<T>& a, int grid, int variant, cudaStream_t stream) {
+  const size_t smem = smem_bytes<T>(S, a.max_k, a.hidden);
+  auto kernel = decode_chain_kernel<T, S>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+  if (attr != cudaSuccess) return attr;
+  LaunchConfig cfg(dim3(grid), dim3(kThreads), smem, stream, variant == kPdl, 1);
+  cudaLaunchAttribute coop;
+  if (variant == kCoop) {  // the driver checks that the whole grid can be resident at once
+    coop.id = cudaLaunchAttributeCooperative;
+    coop.val.cooperative = 1;
+    cfg.cfg.attrs = &coop;
+    cfg.cfg.numAttrs = 1;
+  }
+  return launch_ex(kernel, cfg, a);
+}
+
+// Ring depth: 3 slots per warp where that fits next to x and the residual, else 2; 0: too big.
+int ring_slots(int64_t max_k, int64_t hidden) {
+  for (int s = 3; s >= 2; --s)
+    if (smem_bytes<__half>(s, static_cast<int>(max_k), static_cast<int>(hidden)) <= kMaxSmem) return s;
+  return 0;
+}
+
+}  // namespace
+
+int64_t decode_chain_workspace_bytes(int64_t hidden, int64_t inter) {
+  return WorkspaceLayout(hidden, inter).total;
+}
+
+bool decode_chain_shape_ok(int64_t hidden, int64_t q_dim, int64_t inter) {
+  const int64_t dims[] = {hidden, q_dim, inter};
+  for (int64_t d : dims)
+    if (d <= 0 || d % kSlice != 0 || d > (1 << 20)) return false;
+  return ring_slots(std::max(hidden, std::max(q_dim, inter)), hidden) > 0;
+}
+
+cudaError_t decode_chain(void* out, const void* attn, void* residual, const void* o_weight,
+                         const void* post_norm_weight, const void* gate_up_weight,
+                         const void* down_weight, const void* next_norm_weight,
+                         const void* next_qkv_weight, int64_t qkv_n, const void* l2_prefetch,
+                         int64_t l2_prefetch_bytes, void* workspace, int64_t hidden, int64_t q_dim,
+                         int64_t inter, float eps, DType dtype, cudaStream_t stream) {
+  const DeviceInfo dev = current_device_info();
+  if (dev.cc_major != 9 || !decode_chain_shape_ok(hidden, q_dim, inter)) return cudaErrorNotSupported;
+  const int64_t max_k = std::max(hidden, std::max(q_dim, inter));
+  const int slots = ring_slots(max_k, hidden);
+  const int variant = knob().get();
+  static const int debug = [] {  // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-3 timing (kernel)
+    const char* e = std::getenv("QWEN3_CHAIN_DEBUG");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  const WorkspaceLayout ws(hidden, inter);
+  char* base = static_cast<char*>(workspace);
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    ChainArgs<T> a{};
+    a.out = static_cast<T*>(out);
+    a.attn = static_cast<const T*>(attn);
+    a.residual = static_cast<T*>(residual);
+    a.post_norm_w = static_cast<const T*>(post_norm_weight);
+    a.next_norm_w = static_cast<const T*>(next_norm_weight);
+    a.w[0] = static_cast<const T*>(o_weight);
+    a.w[1] = static_cast<const T*>(gate_up_weight);
+    a.w[2] = static_cast<const T*>(down_weight);
+    a.w[3] = static_cast<const T*>(next_qkv_weight);
+    a.k[0] = static_cast<int>(q_dim);
+    a.k[1] = a.k[3] = static_cast<int>(hidden);
+    a.k[2] = static_cast<int>(inter);
+    a.units[0] = a.units[2] = static_cast<int>(hidden);
+    a.units[1] = static_cast<int>(inter);
+    a.units[3] = next_qkv_weight != nullptr ? static_cast<int>(qkv_n) : 0;
+    a.num_stages = next_qkv_weight != nullptr ? 4 : 3;
+    a.hidden = static_cast<int>(hidden);
+    a.inter = static_cast<int>(inter);
+    a.max_k = static_cast<int>(max_k);
+    a.eps = eps;
+    a.barrier = reinterpret_cast<uint32_t*>(base);
+    a.o_buf = reinterpret_cast<T*>(base + ws.o);
+    a.act_buf = reinterpret_cast<T*>(base + ws.act);
+    a.d_buf = reinterpret_cast<T*>(base + ws.d);
+    a.prefetch = l2_prefetch_bytes > 0 ? static_cast<const char*>(l2_prefetch) : nullptr;
+    a.prefetch_bytes = l2_prefetch_bytes;
+    a.debug = debug;
+    return slots == 3 ? launch<T, 3>(a, dev.num_sms, variant, stream)
+                      : launch<T, 2>(a, dev.num_sms, variant, stream);
+  });
+}
+
+}  // namespace qwen3_kernels
+
+QWEN3_TUNING_EXPORT int qwen3_chain_set_variant(int v) { return qwen3_kernels::knob().set(v); }
+QWEN3_TUNING_EXPORT int qwen3_chain_get_variant() { return qwen3_kernels::knob().get(); }
+QWEN3_TUNING_EXPORT int qwen3_chain_num_variants() { return qwen3_kernels::kNumVariants; }
+// The variant's name, or nullptr out of range.
+QWEN3_TUNING_EXPORT const char* qwen3_chain_variant_name(int v) { return qwen3_kernels::knob().name(v); }

@@ -51,8 +51,18 @@
 //   coop  a cooperative launch: the driver refuses a grid that cannot be resident at once (an
 //         error instead of a hang); otherwise the plain launch.
 // A wait that lasts 5 s (a lost arrival, a CTA that never became resident) traps: the launch
-// fails with an error instead of holding the GPU. QWEN3_CHAIN_DEBUG=1 (read once): such a wait
-// gives up instead, the CTA returns and leaves its state in the workspace's barrier words.
+// fails with an error instead of holding the GPU. QWEN3_CHAIN_DEBUG (read once, bits): 1 such a
+// wait gives up instead, the CTA returns and leaves its state in the workspace's barrier words;
+// 2 skip the multiply, 4 skip the grid barriers (wrong outputs: timing only); 8 per-CTA globaltimer
+// stamps of every stage (benchmarks/decode_chain_stages.py reads them).
+//
+// Measured (H200, 2026-12-01, thirteenth session; benchmarks/RESULTS.md): correct (FA3 rule at
+// the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants) but 131.6 us a
+// Qwen3-8B layer (2.93 TB/s) against 108.9 for the six launches it replaces; 186-190 against 220
+// decode tok/s in the engine, so the model runs it only with QWEN3_DECODE_CHAIN=1. Per-CTA stamps:
+// the stages stream at 3.8-4.1 TB/s by the median CTA, but with rows dealt statically the
+// slowest CTA finishes gate_up up to 25 us after the fastest, and the barriers with the rebuilt
+// norms cost ~9 us a layer. Dynamic row assignment is the next step (RESULTS.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -75,7 +85,8 @@ constexpr int kSlotBytes = kChunkSlices * 32 * 16;  // 8 KB per warp per slot
 // sm_90's opt-in limit per block is 227 KB for dynamic + static shared memory together (block_sum's
 // partials are static): 1 KB is left for them.
 constexpr int kMaxSmem = 226 * 1024;
-// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier)
+// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), the
+// debug stamps from 4096
 constexpr int64_t kBarrierBytes = 16384;
 [[maybe_unused]] constexpr unsigned long long kWatchdogNs = 5000000000ull;
 

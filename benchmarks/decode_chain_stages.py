@@ -6,7 +6,8 @@ QWEN3_CHAIN_DEBUG (read once by the extension; csrc/kernels/decode_chain.cu): bi
 of every CTA store globaltimer stamps into the workspace (the start, each stage's end before its
 barrier, each stage's start after it); bits 1 and 2 skip the multiply / the grid barriers, which
 gives wrong outputs but separates streaming from arithmetic and waiting. The last of 20 calls is
-printed: min / median / max over the CTAs of each stamp, in us since the earliest start.
+printed: min / median / max over the CTAs of each stamp, in us since the earliest kernel entry
+(a call's time minus the last exit is the gap between calls).
 Thirteenth session (H200, 8B): a CTA's stage-1 end ranged over 25 us with equal work per CTA:
 the static row split is what a dynamic one would win back.
 """
@@ -42,8 +43,9 @@ def main(name: str = "8B") -> None:
     torch.cuda.synchronize()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     st = ws[STAMP_OFFSET:STAMP_OFFSET + 80 * sms].view(torch.int64).view(sms, 10).cpu().double()
-    rel = (st[:, :8] - st[:, 0].min()) / 1e3
-    names = ["start", "s0 end", "s1 go", "s1 end", "s2 go", "s2 end", "s3 go", "s3 end"]
+    rel = (st[:, [8] + list(range(8)) + [9]] - st[:, 8].min()) / 1e3
+    names = ["entry", "start", "s0 end", "s1 go", "s1 end", "s2 go", "s2 end", "s3 go", "s3 end",
+             "exit"]
     print(f"Qwen3-{name} decode_chain, QWEN3_CHAIN_DEBUG={os.environ['QWEN3_CHAIN_DEBUG']}: "
           f"{start.elapsed_time(end) / 20 * 1e3:.1f} us a call")
     for c, label in enumerate(names):

@@ -85,8 +85,8 @@ constexpr int kSlotBytes = kChunkSlices * 32 * 16;  // 8 KB per warp per slot
 // sm_90's opt-in limit per block is 227 KB for dynamic + static shared memory together (block_sum's
 // partials are static): 1 KB is left for them.
 constexpr int kMaxSmem = 226 * 1024;
-// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), the
-// debug stamps from 4096
+// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), the CTAs
+// done at 768, the ticket counters at [2048, 4096) (see ticket), the debug stamps from 4096
 constexpr int64_t kBarrierBytes = 16384;
 [[maybe_unused]] constexpr unsigned long long kWatchdogNs = 5000000000ull;
 
@@ -228,23 +228,63 @@ struct Cursor {
 
 __device__ __forceinline__ int chunks_of(int k) { return (k / kSlice + kChunkSlices - 1) / kChunkSlices; }
 
-// The first unit of this warp at or after stage s (s == num_stages: past the end).
+// Units are dealt dynamically. Warp w of every CTA forms group g = w % kWarps (one warp on each SM)
+// that owns the units g, g + kWarps, g + 2 kWarps, ...: a warp's first unit of a stage is its
+// warp_id (known before the kernel starts, so the prologue can stream it before the PDL wait);
+// each further one is drawn from the group's ticket counter for the stage (ticket t: unit
+// num_warps + g + kWarps t), so a warp on an SM that streams slower simply takes fewer units.
+// One counter per group, on its own 64 bytes: a single counter for all 1,056 warps serialised the
+// draws (measured: the prologue's three draws per warp took 8-11 us). The draw for a warp's next
+// unit is made when it enters the current one and read only when that one ends (an atomic's round
+// trip under full DRAM load is ~1 us). Lane 0 draws, the warp shares it. Every unit (and each
+// stage's end, -1) is pushed into the warp's queue in shared memory in the producer's order; the
+// consumer pops them in the same order.
+constexpr int kQueue = 16;  // > S + 1 units in flight + an end marker per stage (<= 8)
+
+struct Producer {
+  Cursor cur;
+  int pushed;  // queue entries written
+  uint32_t next;  // lane 0: the ticket drawn for the unit after cur.u (an atomic still in flight)
+};
+
+// The group's ticket counter for stage s: workspace bytes [2048, 4096), 64 bytes apart.
+__device__ __forceinline__ uint32_t* ticket(uint32_t* barrier, int s, int warp) {
+  return barrier + 512 + s * 16 * kWarps + warp * 16;
+}
+
 template <typename T>
-__device__ __forceinline__ void settle(Cursor& cur, const ChainArgs<T>& a, int warp_id) {
-  while (cur.s < a.num_stages && cur.u >= a.units[cur.s]) {
-    ++cur.s;
-    cur.u = warp_id;
+__device__ __forceinline__ void push(Producer& p, int* queue, int value, int lane) {
+  if (lane == 0) queue[p.pushed % kQueue] = value;
+  ++p.pushed;
+}
+
+// Moves to unit `u` of stage cur.s, or (u out of range) ends the stage and goes on to the next
+// stage's first unit; pushes what it finds.
+template <typename T>
+__device__ __forceinline__ void enter(Producer& p, const ChainArgs<T>& a, int* queue,
+                                      uint32_t* barrier, int u, int warp_id, int lane) {
+  while (p.cur.s < a.num_stages && u >= a.units[p.cur.s]) {
+    push<T>(p, queue, -1, lane);
+    ++p.cur.s;
+    u = warp_id;
+  }
+  p.cur.u = u;
+  p.cur.r = p.cur.c = 0;
+  if (p.cur.s < a.num_stages) {
+    push<T>(p, queue, u, lane);
+    if (lane == 0) p.next = atomicAdd(ticket(barrier, p.cur.s, warp_id % kWarps), 1u);
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void advance(Cursor& cur, const ChainArgs<T>& a, int warp_id, int num_warps) {
+__device__ __forceinline__ void advance(Producer& p, const ChainArgs<T>& a, int* queue,
+                                        uint32_t* barrier, int warp_id, int num_warps, int lane) {
+  Cursor& cur = p.cur;
   if (++cur.c < chunks_of(a.k[cur.s])) return;
   cur.c = 0;
   if (++cur.r < (cur.s == 1 ? 2 : 1)) return;
-  cur.r = 0;
-  cur.u += num_warps;
-  settle(cur, a, warp_id);
+  const int t = static_cast<int>(__shfl_sync(0xffffffffu, p.next, 0));
+  enter(p, a, queue, barrier, num_warps + warp_id % kWarps + kWarps * t, warp_id, lane);
 }
 
 // The cursor's chunk into `slot` (lane 0 only; nothing past the end of the list).
@@ -324,6 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_id = blockIdx.x * kWarps + warp;
   const int num_warps = gridDim.x * kWarps;
+  // QWEN3_CHAIN_DEBUG bit 1: skip the multiply; bit 2: skip the grid barriers (both give wrong
+  // outputs: for timing only). Bit 3: thread 0 of each CTA stores globaltimer stamps at byte
+  // 4096 + 80 * blockIdx.x: [0] the first stage's start (inputs in shared memory), [2s - 1] stage
+  // s - 1's end before its barrier, [2s] stage s's start after it, [8] kernel entry, [9] exit.
+  unsigned long long* stamps =
+      reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
+  const bool stamp = (a.debug & 8) && threadIdx.x == 0;
+  if (stamp) stamps[8] = globaltimer();
   char* ring = smem + warp * S * kSlotBytes;  // this warp's S slots
   __shared__ __align__(8) uint64_t bars[kWarps][3];  // slot j of warp w completes on bars[w][j]
   uint64_t* bar = bars[warp];
@@ -335,14 +383,21 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   T* x_s = reinterpret_cast<T*>(smem + kWarps * S * kSlotBytes);
   T* res_s = x_s + (a.max_k + 7) / 8 * 8;
 
-  // The first S chunks of the warp's list: weights only, so before the PDL wait.
-  Cursor prod{0, warp_id, 0, 0};
-  settle(prod, a, warp_id);
+  __shared__ int queues[kWarps][kQueue];
+  int* queue = queues[warp];
+  uint32_t* done = a.barrier + 192;  // CTAs done (see the end)
+
+  // The first S chunks of the warp's list: weights only, so before the PDL wait. (The tickets
+  // drawn here were reset by the last CTA of the previous chain, which completed before this one
+  // launched: a chain never triggers its dependents early.)
+  Producer prod{{0, 0, 0, 0}, 0, 0u};
+  enter(prod, a, queue, a.barrier, warp_id, warp_id, lane);
 #pragma unroll
   for (int j = 0; j < S; ++j) {
-    if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
-    if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+    if (lane == 0) issue(prod.cur, a, ring + j * kSlotBytes, &bar[j]);
+    if (prod.cur.s < a.num_stages) advance(prod, a, queue, a.barrier, warp_id, num_warps, lane);
   }
+  int popped = 0;
   pdl_wait();  // attn and residual are the previous kernels' outputs
   for (int v = threadIdx.x; v < a.k[0] / 8; v += kThreads)
     *reinterpret_cast<uint4*>(x_s + 8 * v) = *reinterpret_cast<const uint4*>(a.attn + 8 * v);
@@ -350,12 +405,6 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
     *reinterpret_cast<uint4*>(res_s + 8 * v) = *reinterpret_cast<const uint4*>(a.residual + 8 * v);
   __syncthreads();
 
-  // QWEN3_CHAIN_DEBUG bit 1: skip the multiply; bit 2: skip the grid barriers (both give wrong
-  // outputs: for timing only). Bit 3: thread 0 of each CTA stores globaltimer stamps (stage
-  // start after its barrier, stage end before the next) at byte 4096 + 80 * blockIdx.x.
-  unsigned long long* stamps =
-      reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
-  const bool stamp = (a.debug & 8) && threadIdx.x == 0;
   if (stamp) stamps[0] = globaltimer();
   int consumed = 0;
   for (int s = 0; s < a.num_stages; ++s) {
@@ -371,7 +420,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
     }
     const int k = a.k[s], nch = chunks_of(k), rows = s == 1 ? 2 : 1;
     T* const dst = s == 0 ? a.o_buf : s == 1 ? a.act_buf : s == 2 ? a.d_buf : a.out;
-    for (int u = warp_id; u < a.units[s]; u += num_warps) {
+    for (;;) {
+      __syncwarp();  // lane 0's queue writes before every lane's read
+      const int u = queue[popped++ % kQueue];
+      if (u < 0) break;  // this stage's end
       float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
       for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < nch; ++c) {
@@ -400,9 +452,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
           __syncwarp();
           if (lane == 0) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue(prod, a, ring + j * kSlotBytes, &bar[j]);
+            issue(prod.cur, a, ring + j * kSlotBytes, &bar[j]);
           }
-          if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+          if (prod.cur.s < a.num_stages) advance(prod, a, queue, a.barrier, warp_id, num_warps, lane);
         }
       }
       float y = warp_sum(acc0);
@@ -419,6 +471,17 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   if (a.num_stages == 3) {  // no next qkv: the final norm is the output
     if (!grid_barrier(a.barrier, 3, a.debug & 1)) return;
     if (blockIdx.x == 0) build_input(3, a, x_s, res_s);
+  }
+  // The last CTA to finish resets the tickets for the next chain: every draw of this one is done.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      for (int s = 0; s < 4; ++s)
+        for (int g = 0; g < kWarps; ++g) atomicExch(ticket(a.barrier, s, g), 0u);
+      atomicExch(done, 0u);
+    }
+    if (stamp) stamps[9] = globaltimer();
   }
   if (a.prefetch != nullptr) {
     const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * 128;

@@ -7,10 +7,7 @@ matmuls, at the Qwen3 sizes, bf16.
 A CUDA graph of 36 layers (Qwen3-8B's count) replays over 8 weight sets, so every layer streams
 its weights from HBM (8 x 386 MB at 8B, far past the L2). Bytes that must move: the chain's
 weights (the activations are a few KB). Rows: "chain" the default launch, "chain[pdl]" the PDL
-launch, "chain[l2 24MB]" each call also asking L2 for the first 24 MB of the next set's W_o
-(which the model does while the attention kernels run; here nothing runs between the chains, so
-this row shows the cost of the prefetch's bytes, not its gain); all alternated with the
-baselines by rematch.
+launch; both alternated with the baselines by rematch.
 """
 
 import pytest
@@ -52,14 +49,11 @@ def test_decode_chain(model, report):
     residual = torch.randn(1, h, device="cuda").to(DT)
     ws = qwen3_kernels.decode_chain_workspace(h, i, "cuda")
     out = torch.empty(1, n, device="cuda", dtype=DT)
-    prefetch_rows = min(h, 24 * 2**20 // (q * 2))
 
-    def chain(s, prefetch=False):
-        w, nxt = W[s], W[(s + 1) % sets]
-        pre = nxt["o"][:prefetch_rows] if prefetch else None
+    def chain(s):
+        w = W[s]
         return lambda: qwen3_kernels.decode_chain(attn, residual, w["o"], w["post"], w["gu"],
-                                                  w["down"], w["nxt"], w["qkv"], EPS, ws, out=out,
-                                                  l2_prefetch=pre)
+                                                  w["down"], w["nxt"], w["qkv"], EPS, ws, out=out)
 
     # the unfused layer as the model runs it at batch 1 without the chain (our ops), and with
     # cuBLAS for the four matmuls
@@ -95,7 +89,6 @@ def test_decode_chain(model, report):
     kw = dict(reps=10, calls_per_replay=LAYERS)
     paths = {
         "chain": [chain(s) for s in range(sets)],
-        "chain[l2 24MB]": [chain(s, True) for s in range(sets)],
         "unfused (our GEMVs + norms)": [unfused(s) for s in range(sets)],
         "cuBLAS + our norms": [cublas(s) for s in range(sets)],
     }
@@ -106,11 +99,11 @@ def test_decode_chain(model, report):
     torch.cuda.synchronize()
     assert ws[:4].view(torch.int32).item() == 0
     base = {k: v for k, v in best.items() if not k.startswith("chain")}
-    for name in ("chain", "chain[pdl]", "chain[l2 24MB]"):
+    for name in ("chain", "chain[pdl]"):
         report("decode_chain", f"{model} [{name}] one layer, weights rotated", best[name], base,
                nbytes=per_set)
     ratio = best["unfused (our GEMVs + norms)"] / best["chain"]
     print(f"\n{model}: chain {best['chain'] * 1e6:.1f} us/layer ({per_set / best['chain'] / 1e12:.2f} TB/s), "
-          f"pdl {best['chain[pdl]'] * 1e6:.1f}, l2 {best['chain[l2 24MB]'] * 1e6:.1f}; unfused "
+          f"pdl {best['chain[pdl]'] * 1e6:.1f}; unfused "
           f"{best['unfused (our GEMVs + norms)'] * 1e6:.1f} ({ratio:.3f}x), cuBLAS "
           f"{best['cuBLAS + our norms'] * 1e6:.1f}")

@@ -620,7 +620,7 @@ void decode_chain(at::Tensor& out, const at::Tensor& attn, at::Tensor& residual,
                   const at::Tensor& o_weight, const at::Tensor& post_norm_weight,
                   const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
                   const at::Tensor& next_norm_weight, const c10::optional<at::Tensor>& next_qkv_weight,
-                  const c10::optional<at::Tensor>& l2_prefetch, double eps, at::Tensor& workspace) {
+                  double eps, at::Tensor& workspace) {
   const char* op = "decode_chain";
   const DType dt = half_dtype(attn, op, "attn");
   struct Operand { const at::Tensor* t; const char* name; };
@@ -629,7 +629,6 @@ void decode_chain(at::Tensor& out, const at::Tensor& attn, at::Tensor& residual,
                                    {&gate_up_weight, "gate_up_weight"}, {&down_weight, "down_weight"},
                                    {&next_norm_weight, "next_norm_weight"}};
   if (next_qkv_weight) operands.push_back({&*next_qkv_weight, "next_qkv_weight"});
-  if (l2_prefetch) operands.push_back({&*l2_prefetch, "l2_prefetch"});
   for (const Operand& o : operands) {
     check_cuda(*o.t, attn, op, o.name);
     check_dtype(*o.t, attn.scalar_type(), op, o.name);
@@ -680,9 +679,7 @@ void decode_chain(at::Tensor& out, const at::Tensor& attn, at::Tensor& residual,
       out.data_ptr(), attn.data_ptr(), residual.data_ptr(), o_weight.data_ptr(),
       post_norm_weight.data_ptr(), gate_up_weight.data_ptr(), down_weight.data_ptr(),
       next_norm_weight.data_ptr(), next_qkv_weight ? next_qkv_weight->data_ptr() : nullptr, n,
-      l2_prefetch ? l2_prefetch->data_ptr() : nullptr,
-      l2_prefetch ? l2_prefetch->numel() * l2_prefetch->element_size() : 0, workspace.data_ptr(),
-      h, q, inter, static_cast<float>(eps), dt, c10::cuda::getCurrentCUDAStream());
+      workspace.data_ptr(), h, q, inter, static_cast<float>(eps), dt, c10::cuda::getCurrentCUDAStream());
   QK_CHECK(err != cudaErrorNotSupported, "qwen3_kernels.", op,
            ": needs an sm_90 GPU (decode_chain_supported)");
   check_launch(err, op);
@@ -751,7 +748,7 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
   ops.def(
       "decode_chain(Tensor! out, Tensor attn, Tensor! residual, Tensor o_weight, "
       "Tensor post_norm_weight, Tensor gate_up_weight, Tensor down_weight, "
-      "Tensor next_norm_weight, Tensor? next_qkv_weight, Tensor? l2_prefetch, float eps, "
+      "Tensor next_norm_weight, Tensor? next_qkv_weight, float eps, "
       "Tensor! workspace) -> ()");
   ops.impl("decode_chain", torch::kCUDA, &decode_chain);
 }

@@ -56,7 +56,7 @@ SCHEMAS = {
     "decode_chain": (
         "decode_chain(Tensor! out, Tensor attn, Tensor! residual, Tensor o_weight, "
         "Tensor post_norm_weight, Tensor gate_up_weight, Tensor down_weight, "
-        "Tensor next_norm_weight, Tensor? next_qkv_weight, Tensor? l2_prefetch, float eps, "
+        "Tensor next_norm_weight, Tensor? next_qkv_weight, float eps, "
         "Tensor! workspace) -> ()"
     ),
     "tp_gemv_push": (
@@ -603,8 +603,9 @@ _CHAIN_MAX_SMEM = 226 * 1024  # 227 KB per block, 1 KB left for static shared me
 
 
 def decode_chain_workspace_bytes(hidden: int, inter: int) -> int:
-    """Bytes of decode_chain's workspace: 16384 for the grid barrier's words (and debug stamps), then o [H], act [I] and
-    d [H] as 16-bit values, each rounded up to 256 bytes (kernels/decode_chain.cu)."""
+    """Bytes of decode_chain's workspace: 16384 for the grid barrier's words (and debug stamps),
+    then o [H], act [I] and d [H] as 16-bit values, each rounded up to 256 bytes (the same rule as
+    decode_chain_workspace_bytes in kernels/decode_chain.cu; the raw op checks against that)."""
     up = lambda b: (b + 255) // 256 * 256  # noqa: E731
     return 16384 + 2 * up(2 * hidden) + up(2 * inter)
 
@@ -636,7 +637,6 @@ def decode_chain(
     post_norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
     next_norm_weight: torch.Tensor, next_qkv_weight: torch.Tensor | None, eps: float,
     workspace: torch.Tensor, out: torch.Tensor | None = None,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token (batch 1) from a layer's attention output to the next layer's packed qkv, in one
     persistent kernel on sm_90 (``reference.decode_chain`` says what it computes):
@@ -646,9 +646,8 @@ def decode_chain(
         down_weight [H, I], next_norm_weight [H], next_qkv_weight [N, H] or None (the last layer:
         out is the final norm) -> out [1, N] (or [1, H]).
 
-    workspace: ``decode_chain_workspace(H, I, device)``. l2_prefetch: optional, a tensor (the next
-    layer's o_weight) whose bytes the kernel asks L2 to keep after it finishes. Every tensor
-    contiguous, one dtype and device. Where ``decode_chain_supported`` is False the reference runs.
+    workspace: ``decode_chain_workspace(H, I, device)``. Every tensor contiguous, one dtype and
+    device. Where ``decode_chain_supported`` is False the reference runs.
     """
     op = "decode_chain"
     _check_tensor(op, "attn", attn, ndim=2, dtypes=_FLOAT_DTYPES)
@@ -678,21 +677,19 @@ def decode_chain(
     _check_shape(op, "out", out, (1, n))
     if out.data_ptr() in (attn.data_ptr(), residual.data_ptr()):
         _fail(op, "out must not alias attn or residual")
-    for name, t in [("attn", attn), ("residual", residual), ("out", out), ("gate_up_weight", gate_up_weight)] + [
-            (name, t) for name, (t, _) in shapes.items()]:
+    contiguous = {"attn": attn, "residual": residual, "out": out, "gate_up_weight": gate_up_weight}
+    contiguous.update((name, t) for name, (t, _) in shapes.items())
+    for name, t in contiguous.items():
         _check_contiguous(op, name, t)
     _check_tensor(op, "workspace", workspace, ndim=1, dtype=torch.uint8, device=dev)
     if workspace.numel() < decode_chain_workspace_bytes(h, inter):
         _fail(op, f"workspace must hold >= {decode_chain_workspace_bytes(h, inter)} bytes "
                   f"(decode_chain_workspace), got {workspace.numel()}")
-    if l2_prefetch is not None:
-        _check_tensor(op, "l2_prefetch", l2_prefetch, dtype=dt, device=dev)
-        _check_contiguous(op, "l2_prefetch", l2_prefetch)
     if not (isinstance(eps, (int, float)) and eps > 0):
         _fail(op, f"eps must be a positive float, got {eps!r}")
     kernel_ok = dt in _KERNEL_DTYPES and decode_chain_supported(h, q_dim, inter, dev)
     _run(op, kernel_ok, out, attn, residual, o_weight, post_norm_weight, gate_up_weight,
-         down_weight, next_norm_weight, next_qkv_weight, l2_prefetch, float(eps), workspace)
+         down_weight, next_norm_weight, next_qkv_weight, float(eps), workspace)
     return out
 
 # ----------------------------------------------------------------------------------------------
@@ -739,8 +736,7 @@ def _ref_sample_tokens(out, logits, temperatures, seed_keys):
     out.copy_(ref.sample_tokens(logits, temperatures, seed_keys))
 
 
-def _ref_decode_chain(out, attn, residual, o_w, post_w, gu_w, down_w, next_w, qkv_w, prefetch, eps,
-                      workspace):
+def _ref_decode_chain(out, attn, residual, o_w, post_w, gu_w, down_w, next_w, qkv_w, eps, workspace):
     y, new_res = ref.decode_chain(attn, residual, o_w, post_w, gu_w, down_w, next_w, qkv_w, eps)
     residual.copy_(new_res)
     out.copy_(y)

@@ -58,10 +58,10 @@ def test_op_is_the_six_unfused_ops(n):
     assert rel_err(out, want32) < 2e-2 and rel_err(res, res32) < 2e-2
 
 
-def test_out_given_and_prefetch_accepted():
+def test_out_given():
     L = layer()
     out = torch.full((1, 128), float("nan"), dtype=torch.bfloat16)
-    got, res = call(L, out=out, l2_prefetch=L["o_weight"])
+    got, res = call(L, out=out)
     want, want_res = call(L)
     assert got is out and torch.equal(out, want) and torch.equal(res, want_res)
 

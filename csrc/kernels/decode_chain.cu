@@ -40,8 +40,6 @@
 //     itself (the norms are 4096-wide: redundant work on 132 SMs is cheaper than one more barrier).
 //   - x (the stage's input) sits in shared memory as the dtype; each lane reads 16 bytes of it per
 //     16 bytes of weight, at ~17 bytes of weight per SM clock well under shared memory's 128.
-//   - Optional: after its last stage the kernel asks L2 to keep `l2_prefetch` (the next layer's
-//     W_o), which the attention kernels between this chain and the next leave the DRAM idle for.
 //
 // Launch variants (QWEN3_CHAIN_VARIANT; qwen3_chain_set_variant for the benchmarks):
 //   auto  a plain launch
@@ -54,7 +52,8 @@
 // fails with an error instead of holding the GPU. QWEN3_CHAIN_DEBUG (read once, bits): 1 such a
 // wait gives up instead, the CTA returns and leaves its state in the workspace's barrier words;
 // 2 skip the multiply, 4 skip the grid barriers (wrong outputs: timing only); 8 per-CTA globaltimer
-// stamps of every stage (benchmarks/decode_chain_stages.py reads them).
+// stamps of every stage (benchmarks/decode_chain_stages.py reads them); 16 the first S chunks all
+// before the inputs.
 //
 // Measured (H200, 2026-12-01, thirteenth session; benchmarks/RESULTS.md): correct (FA3 rule at
 // the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants) but 131.6 us a
@@ -85,8 +84,8 @@ constexpr int kSlotBytes = kChunkSlices * 32 * 16;  // 8 KB per warp per slot
 // sm_90's opt-in limit per block is 227 KB for dynamic + static shared memory together (block_sum's
 // partials are static): 1 KB is left for them.
 constexpr int kMaxSmem = 226 * 1024;
-// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), the CTAs
-// done at 768, the ticket counters at [2048, 4096) (see ticket), the debug stamps from 4096
+// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), the
+// debug stamps from 4096
 constexpr int64_t kBarrierBytes = 16384;
 [[maybe_unused]] constexpr unsigned long long kWatchdogNs = 5000000000ull;
 
@@ -129,9 +128,7 @@ struct ChainArgs {
   T* o_buf;                // [H]
   T* act_buf;              // [I]
   T* d_buf;                // [H]
-  const char* prefetch;    // l2_prefetch bytes, or nullptr
-  int64_t prefetch_bytes;
-  int debug;               // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-3 timing (kernel) (no trap)
+  int debug;               // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-4 timing (kernel) (no trap)
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -228,63 +225,23 @@ struct Cursor {
 
 __device__ __forceinline__ int chunks_of(int k) { return (k / kSlice + kChunkSlices - 1) / kChunkSlices; }
 
-// Units are dealt dynamically. Warp w of every CTA forms group g = w % kWarps (one warp on each SM)
-// that owns the units g, g + kWarps, g + 2 kWarps, ...: a warp's first unit of a stage is its
-// warp_id (known before the kernel starts, so the prologue can stream it before the PDL wait);
-// each further one is drawn from the group's ticket counter for the stage (ticket t: unit
-// num_warps + g + kWarps t), so a warp on an SM that streams slower simply takes fewer units.
-// One counter per group, on its own 64 bytes: a single counter for all 1,056 warps serialised the
-// draws (measured: the prologue's three draws per warp took 8-11 us). The draw for a warp's next
-// unit is made when it enters the current one and read only when that one ends (an atomic's round
-// trip under full DRAM load is ~1 us). Lane 0 draws, the warp shares it. Every unit (and each
-// stage's end, -1) is pushed into the warp's queue in shared memory in the producer's order; the
-// consumer pops them in the same order.
-constexpr int kQueue = 16;  // > S + 1 units in flight + an end marker per stage (<= 8)
-
-struct Producer {
-  Cursor cur;
-  int pushed;  // queue entries written
-  uint32_t next;  // lane 0: the ticket drawn for the unit after cur.u (an atomic still in flight)
-};
-
-// The group's ticket counter for stage s: workspace bytes [2048, 4096), 64 bytes apart.
-__device__ __forceinline__ uint32_t* ticket(uint32_t* barrier, int s, int warp) {
-  return barrier + 512 + s * 16 * kWarps + warp * 16;
-}
-
+// The first unit of this warp at or after stage s (s == num_stages: past the end).
 template <typename T>
-__device__ __forceinline__ void push(Producer& p, int* queue, int value, int lane) {
-  if (lane == 0) queue[p.pushed % kQueue] = value;
-  ++p.pushed;
-}
-
-// Moves to unit `u` of stage cur.s, or (u out of range) ends the stage and goes on to the next
-// stage's first unit; pushes what it finds.
-template <typename T>
-__device__ __forceinline__ void enter(Producer& p, const ChainArgs<T>& a, int* queue,
-                                      uint32_t* barrier, int u, int warp_id, int lane) {
-  while (p.cur.s < a.num_stages && u >= a.units[p.cur.s]) {
-    push<T>(p, queue, -1, lane);
-    ++p.cur.s;
-    u = warp_id;
-  }
-  p.cur.u = u;
-  p.cur.r = p.cur.c = 0;
-  if (p.cur.s < a.num_stages) {
-    push<T>(p, queue, u, lane);
-    if (lane == 0) p.next = atomicAdd(ticket(barrier, p.cur.s, warp_id % kWarps), 1u);
+__device__ __forceinline__ void settle(Cursor& cur, const ChainArgs<T>& a, int warp_id) {
+  while (cur.s < a.num_stages && cur.u >= a.units[cur.s]) {
+    ++cur.s;
+    cur.u = warp_id;
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void advance(Producer& p, const ChainArgs<T>& a, int* queue,
-                                        uint32_t* barrier, int warp_id, int num_warps, int lane) {
-  Cursor& cur = p.cur;
+__device__ __forceinline__ void advance(Cursor& cur, const ChainArgs<T>& a, int warp_id, int num_warps) {
   if (++cur.c < chunks_of(a.k[cur.s])) return;
   cur.c = 0;
   if (++cur.r < (cur.s == 1 ? 2 : 1)) return;
-  const int t = static_cast<int>(__shfl_sync(0xffffffffu, p.next, 0));
-  enter(p, a, queue, barrier, num_warps + warp_id % kWarps + kWarps * t, warp_id, lane);
+  cur.r = 0;
+  cur.u += num_warps;
+  settle(cur, a, warp_id);
 }
 
 // The cursor's chunk into `slot` (lane 0 only; nothing past the end of the list).
@@ -368,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   // outputs: for timing only). Bit 3: thread 0 of each CTA stores globaltimer stamps at byte
   // 4096 + 80 * blockIdx.x: [0] the first stage's start (inputs in shared memory), [2s - 1] stage
   // s - 1's end before its barrier, [2s] stage s's start after it, [8] kernel entry, [9] exit.
+  // Bit 4: all S first chunks before the inputs (the order before the fourteenth session).
   unsigned long long* stamps =
       reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
   const bool stamp = (a.debug & 8) && threadIdx.x == 0;
@@ -383,28 +341,26 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   T* x_s = reinterpret_cast<T*>(smem + kWarps * S * kSlotBytes);
   T* res_s = x_s + (a.max_k + 7) / 8 * 8;
 
-  __shared__ int queues[kWarps][kQueue];
-  int* queue = queues[warp];
-  uint32_t* done = a.barrier + 192;  // CTAs done (see the end)
-
-  // The first S chunks of the warp's list: weights only, so before the PDL wait. (The tickets
-  // drawn here were reset by the last CTA of the previous chain, which completed before this one
-  // launched: a chain never triggers its dependents early.)
-  Producer prod{{0, 0, 0, 0}, 0, 0u};
-  enter(prod, a, queue, a.barrier, warp_id, warp_id, lane);
-#pragma unroll
-  for (int j = 0; j < S; ++j) {
-    if (lane == 0) issue(prod.cur, a, ring + j * kSlotBytes, &bar[j]);
-    if (prod.cur.s < a.num_stages) advance(prod, a, queue, a.barrier, warp_id, num_warps, lane);
+  // The warp's first chunk (weights only, so before the PDL wait), then the inputs, then the
+  // other S - 1: the inputs' loads would otherwise queue behind all 132 x 8 x S first chunks
+  // (25 MB at 8B, ~6 us of DRAM time).
+  Cursor prod{0, warp_id, 0, 0};
+  settle(prod, a, warp_id);
+  const int early = (a.debug & 16) ? S : 1;
+  for (int j = 0; j < early; ++j) {
+    if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
+    if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
   }
-  int popped = 0;
   pdl_wait();  // attn and residual are the previous kernels' outputs
   for (int v = threadIdx.x; v < a.k[0] / 8; v += kThreads)
     *reinterpret_cast<uint4*>(x_s + 8 * v) = *reinterpret_cast<const uint4*>(a.attn + 8 * v);
   for (int v = threadIdx.x; v < a.hidden / 8; v += kThreads)
     *reinterpret_cast<uint4*>(res_s + 8 * v) = *reinterpret_cast<const uint4*>(a.residual + 8 * v);
   __syncthreads();
-
+  for (int j = early; j < S; ++j) {
+    if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
+    if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+  }
   if (stamp) stamps[0] = globaltimer();
   int consumed = 0;
   for (int s = 0; s < a.num_stages; ++s) {
@@ -420,10 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
     }
     const int k = a.k[s], nch = chunks_of(k), rows = s == 1 ? 2 : 1;
     T* const dst = s == 0 ? a.o_buf : s == 1 ? a.act_buf : s == 2 ? a.d_buf : a.out;
-    for (;;) {
-      __syncwarp();  // lane 0's queue writes before every lane's read
-      const int u = queue[popped++ % kQueue];
-      if (u < 0) break;  // this stage's end
+    for (int u = warp_id; u < a.units[s]; u += num_warps) {
       float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
       for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < nch; ++c) {
@@ -452,9 +405,9 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
           __syncwarp();
           if (lane == 0) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue(prod.cur, a, ring + j * kSlotBytes, &bar[j]);
+            issue(prod, a, ring + j * kSlotBytes, &bar[j]);
           }
-          if (prod.cur.s < a.num_stages) advance(prod, a, queue, a.barrier, warp_id, num_warps, lane);
+          if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
         }
       }
       float y = warp_sum(acc0);
@@ -472,23 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
     if (!grid_barrier(a.barrier, 3, a.debug & 1)) return;
     if (blockIdx.x == 0) build_input(3, a, x_s, res_s);
   }
-  // The last CTA to finish resets the tickets for the next chain: every draw of this one is done.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {
-      for (int s = 0; s < 4; ++s)
-        for (int g = 0; g < kWarps; ++g) atomicExch(ticket(a.barrier, s, g), 0u);
-      atomicExch(done, 0u);
-    }
-    if (stamp) stamps[9] = globaltimer();
-  }
-  if (a.prefetch != nullptr) {
-    const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * 128;
-    for (int64_t off = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * 128;
-         off < a.prefetch_bytes; off += step)
-      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a.prefetch + off));
-  }
+  if (stamp) stamps[9] = globaltimer();
 }
 #else  // the sm_80 pass: TMA bulk copies are sm_90; the host launches this kernel on sm_90 only
 template <typename T, int S>
@@ -542,15 +479,15 @@ bool decode_chain_shape_ok(int64_t hidden, int64_t q_dim, int64_t inter) {
 cudaError_t decode_chain(void* out, const void* attn, void* residual, const void* o_weight,
                          const void* post_norm_weight, const void* gate_up_weight,
                          const void* down_weight, const void* next_norm_weight,
-                         const void* next_qkv_weight, int64_t qkv_n, const void* l2_prefetch,
-                         int64_t l2_prefetch_bytes, void* workspace, int64_t hidden, int64_t q_dim,
+                         const void* next_qkv_weight, int64_t qkv_n, void* workspace,
+                         int64_t hidden, int64_t q_dim,
                          int64_t inter, float eps, DType dtype, cudaStream_t stream) {
   const DeviceInfo dev = current_device_info();
   if (dev.cc_major != 9 || !decode_chain_shape_ok(hidden, q_dim, inter)) return cudaErrorNotSupported;
   const int64_t max_k = std::max(hidden, std::max(q_dim, inter));
   const int slots = ring_slots(max_k, hidden);
   const int variant = knob().get();
-  static const int debug = [] {  // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-3 timing (kernel)
+  static const int debug = [] {  // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-4 timing (kernel)
     const char* e = std::getenv("QWEN3_CHAIN_DEBUG");
     return e != nullptr ? std::atoi(e) : 0;
   }();
@@ -582,8 +519,6 @@ cudaError_t decode_chain(void* out, const void* attn, void* residual, const void
     a.o_buf = reinterpret_cast<T*>(base + ws.o);
     a.act_buf = reinterpret_cast<T*>(base + ws.act);
     a.d_buf = reinterpret_cast<T*>(base + ws.d);
-    a.prefetch = l2_prefetch_bytes > 0 ? static_cast<const char*>(l2_prefetch) : nullptr;
-    a.prefetch_bytes = l2_prefetch_bytes;
     a.debug = debug;
     return slots == 3 ? launch<T, 3>(a, dev.num_sms, variant, stream)
                       : launch<T, 2>(a, dev.num_sms, variant, stream);

@@ -159,29 +159,21 @@ class Qwen3Model(nn.Module):
     def _forward_chain(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token: embedding, the first layer's input norm and qkv_proj, then per layer the
         attention and one decode_chain from its output to the next layer's qkv (the last layer's
-        chain ends in the final norm). Same math as forward(), the roundings where it stores them.
-        QWEN3_CHAIN_PREFETCH_MB > 0: each chain also asks L2 to keep the first that many MB of the
-        next layer's o_proj weight, which the attention kernels in between read nothing of."""
+        chain ends in the final norm). Same math as forward(), the roundings where it stores them."""
         residual = self.embed_tokens(input_ids)  # [1, H], updated in place by every chain
         first = self.layers[0]
         qkv = first.self_attn.qkv_proj(first.input_layernorm(residual))
-        prefetch_mb = float(os.environ.get("QWEN3_CHAIN_PREFETCH_MB", "0") or 0)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             attn = a.attn(qkv, positions, a.q_norm.weight, a.k_norm.weight, a.rotary_emb.cos_sin_cache)
             nxt = self.layers[i + 1] if i + 1 < n else None
-            prefetch = None
-            if nxt is not None and prefetch_mb > 0:
-                w = nxt.self_attn.o_proj.weight  # [H, Q]
-                rows = min(w.shape[0], int(prefetch_mb * 2**20 / (w.shape[1] * w.element_size())))
-                prefetch = w[:rows] if rows > 0 else None
             qkv = qwen3_kernels.decode_chain(
                 attn, residual, a.o_proj.weight, layer.post_attention_layernorm.weight,
                 mlp.gate_up_proj.weight, mlp.down_proj.weight,
                 (nxt.input_layernorm if nxt is not None else self.norm).weight,
                 nxt.self_attn.qkv_proj.weight if nxt is not None else None,
-                self.norm.eps, self.chain_workspace, l2_prefetch=prefetch)
+                self.norm.eps, self.chain_workspace)
         return qkv  # the last chain's output: the final norm [1, H]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -126,8 +126,7 @@ cudaError_t tp_gemv_push(void* out,                  // [1, N]
 // kernel's shared memory (decode_chain_shape_ok); sm_90 only: cudaErrorNotSupported otherwise.
 // workspace: decode_chain_workspace_bytes(hidden, inter) bytes whose first 4 bytes (the barrier's
 // arrival count) are 0 before the first call; every call leaves them 0. One chain at a time per
-// workspace. l2_prefetch (optional, l2_prefetch_bytes > 0): bytes the kernel asks L2 to keep
-// after its last stage (the next layer's W_o).
+// workspace.
 int64_t decode_chain_workspace_bytes(int64_t hidden, int64_t inter);
 bool decode_chain_shape_ok(int64_t hidden, int64_t q_dim, int64_t inter);
 cudaError_t decode_chain(void* out,                    // [1, N] (next qkv) or [1, H]
@@ -140,7 +139,6 @@ cudaError_t decode_chain(void* out,                    // [1, N] (next qkv) or [
                          const void* next_norm_weight, // [H]
                          const void* next_qkv_weight,  // [N, H] or nullptr
                          int64_t qkv_n,
-                         const void* l2_prefetch, int64_t l2_prefetch_bytes,
                          void* workspace,              // decode_chain_workspace_bytes
                          int64_t hidden, int64_t q_dim, int64_t inter, float eps, DType dtype,
                          cudaStream_t stream);

@@ -55,13 +55,17 @@
 // stamps of every stage (benchmarks/decode_chain_stages.py reads them); 16 the first S chunks all
 // before the inputs.
 //
-// Measured (H200, 2026-12-01, thirteenth session; benchmarks/RESULTS.md): correct (FA3 rule at
-// the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants) but 131.6 us a
-// Qwen3-8B layer (2.93 TB/s) against 108.9 for the six launches it replaces; 186-190 against 220
-// decode tok/s in the engine, so the model runs it only with QWEN3_DECODE_CHAIN=1. Per-CTA stamps:
-// the stages stream at 3.8-4.1 TB/s by the median CTA, but with rows dealt statically the
-// slowest CTA finishes gate_up up to 25 us after the fastest, and the barriers with the rebuilt
-// norms cost ~9 us a layer. Dynamic row assignment is the next step (RESULTS.md).
+// Measured (H200, 2026-12-01, thirteenth and fourteenth sessions; benchmarks/RESULTS.md): correct
+// (FA3 rule at the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants) but
+// 131.2 us a Qwen3-8B layer (2.94 TB/s) against 108.7 for the six launches it replaces; 187
+// against 220 decode tok/s in the engine, so the model runs it only with QWEN3_DECODE_CHAIN=1.
+// The limit is the streaming itself: without the multiply (debug bit 1) a call still takes 128.6
+// us, without the barriers too 125.3; the CTAs end gate_up 30 us apart whether rows are dealt
+// statically or drawn from atomic counters (the latter measured 135.7: commit 318d354), and ncu
+// reads DRAM at 56% of peak against the GEMV's 78% on the same gate_up weight. Streaming the
+// weights as the GEMV does (16-byte loads into registers, many warps an SM) would bring the chain
+// to about par with the six launches; only overlapping the attention kernels with weight
+// streaming would make it pay (RESULTS.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

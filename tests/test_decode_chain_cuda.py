@@ -78,9 +78,10 @@ def run_chain(L, ws, out=None, **kw):
     return out, residual
 
 
+@pytest.mark.parametrize("variant", ["auto", "ld"])  # the TMA ring / register loads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_decode_chain_matches_reference(shape, dtype):
+def test_decode_chain_matches_reference(shape, dtype, variant):
     h, q, i, n = SHAPES[shape]
     if not _supported(h, q, i):
         pytest.skip("decode_chain does not run here (needs sm_90)")
@@ -89,7 +90,8 @@ def test_decode_chain_matches_reference(shape, dtype):
     width = n or h
     buf = torch.full((width + 64,), float("nan"), dtype=dtype, device="cuda")
     out = buf[32:32 + width].view(1, width)  # poisoned, with poisoned neighbours
-    got, res = run_chain(L, ws, out=out)
+    with et.variant("chain", variant):
+        got, res = run_chain(L, ws, out=out)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     assert torch.isnan(buf[:32]).all() and torch.isnan(buf[32 + width:]).all(), "wrote outside out"
@@ -118,9 +120,11 @@ def test_repeated_calls_graph_and_variants_agree_bitwise(last):
     for _ in range(20):
         again, again_res = run_chain(L, ws)
         assert torch.equal(again, first) and torch.equal(again_res, first_res)
-    with et.variant("chain", "pdl"):
-        pdl, pdl_res = run_chain(L, ws)
-    assert torch.equal(pdl, first) and torch.equal(pdl_res, first_res)
+    for variant in ("pdl", "ld"):  # ld: another kernel, the same sums in the same order
+        with et.variant("chain", variant):
+            for _ in range(3):
+                other, other_res = run_chain(L, ws)
+                assert torch.equal(other, first) and torch.equal(other_res, first_res), variant
 
     # a graph of 3 chained calls (the residual carried through), replayed twice
     residual = L["residual"].clone()

@@ -48,6 +48,8 @@
 //         it); everything else waits.
 //   coop  a cooperative launch: the driver refuses a grid that cannot be resident at once (an
 //         error instead of a hang); otherwise the plain launch.
+//   ld    decode_chain_ld_kernel (a plain launch): the weights through registers as the GEMV
+//         reads them instead of the TMA ring (see that kernel); the same results bit for bit.
 // A wait that lasts 5 s (a lost arrival, a CTA that never became resident) traps: the launch
 // fails with an error instead of holding the GPU. QWEN3_CHAIN_DEBUG (read once, bits): 1 such a
 // wait gives up instead, the CTA returns and leaves its state in the workspace's barrier words;
@@ -85,6 +87,11 @@ constexpr int kSlice = 256;                         // columns of one 16-byte lo
 constexpr int kChunkSlices = 16;                    // slices per ring slot: 4096 columns
 [[maybe_unused]] constexpr int kChunkCols = kChunkSlices * kSlice;
 constexpr int kSlotBytes = kChunkSlices * 32 * 16;  // 8 KB per warp per slot
+constexpr int kLdWarps = 16;                        // the "ld" variant: 16 warps an SM
+constexpr int kLdThreads = 32 * kLdWarps;
+constexpr int kLdSlices = 8;                        // its step: 8 16-byte loads per lane
+static_assert(kChunkSlices % kLdSlices == 0 && kChunkSlices / kLdSlices == 2,
+              "the ld variant sums each 16-slice chunk over two steps, as the ring does");
 // sm_90's opt-in limit per block is 227 KB for dynamic + static shared memory together (block_sum's
 // partials are static): 1 KB is left for them.
 constexpr int kMaxSmem = 226 * 1024;
@@ -93,8 +100,8 @@ constexpr int kMaxSmem = 226 * 1024;
 constexpr int64_t kBarrierBytes = 16384;
 [[maybe_unused]] constexpr unsigned long long kWatchdogNs = 5000000000ull;
 
-enum Variant { kAuto, kPdl, kCoop, kNumVariants };
-constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "coop"};
+enum Variant { kAuto, kPdl, kCoop, kLd, kNumVariants };
+constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "coop", "ld"};
 
 VariantKnob<kNumVariants>& knob() {
   static VariantKnob<kNumVariants> k("QWEN3_CHAIN_VARIANT", kVariantNames);
@@ -227,7 +234,9 @@ struct Cursor {
   int s, u, r, c;
 };
 
-__device__ __forceinline__ int chunks_of(int k) { return (k / kSlice + kChunkSlices - 1) / kChunkSlices; }
+// Chunks of `slices` 256-column slices in a row of k columns (the last one may be shorter).
+template <int slices>
+__device__ __forceinline__ int chunks_of(int k) { return (k / kSlice + slices - 1) / slices; }
 
 // The first unit of this warp at or after stage s (s == num_stages: past the end).
 template <typename T>
@@ -238,9 +247,9 @@ __device__ __forceinline__ void settle(Cursor& cur, const ChainArgs<T>& a, int w
   }
 }
 
-template <typename T>
+template <int slices, typename T>
 __device__ __forceinline__ void advance(Cursor& cur, const ChainArgs<T>& a, int warp_id, int num_warps) {
-  if (++cur.c < chunks_of(a.k[cur.s])) return;
+  if (++cur.c < chunks_of<slices>(a.k[cur.s])) return;
   cur.c = 0;
   if (++cur.r < (cur.s == 1 ? 2 : 1)) return;
   cur.r = 0;
@@ -263,7 +272,7 @@ __device__ __forceinline__ void issue(const Cursor& cur, const ChainArgs<T>& a, 
 // Stage input from global memory: dst[0:n] = src (n % 8 == 0); L2 only (another CTA wrote it).
 template <typename T>
 __device__ __forceinline__ void copy_in(T* dst, const T* src, int n) {
-  for (int v = threadIdx.x; v < n / 8; v += kThreads)
+  for (int v = threadIdx.x; v < n / 8; v += blockDim.x)
     *reinterpret_cast<uint4*>(dst + 8 * v) = __ldcg(reinterpret_cast<const uint4*>(src + 8 * v));
 }
 
@@ -272,7 +281,7 @@ __device__ __forceinline__ void copy_in(T* dst, const T* src, int n) {
 template <typename T>
 __device__ void add_norm(T* x, T* res, const T* add, const T* w, int h, float eps) {
   float ss = 0.f;
-  for (int v = threadIdx.x; v < h / 8; v += kThreads) {
+  for (int v = threadIdx.x; v < h / 8; v += blockDim.x) {
     float fr[8], fa[8];
     const uint4 rv = *reinterpret_cast<const uint4*>(res + 8 * v);
     to_float8<T>(rv, fr);
@@ -287,7 +296,7 @@ __device__ void add_norm(T* x, T* res, const T* add, const T* w, int h, float ep
     store_vec8(res + 8 * v, out);
   }
   const float inv = rsqrtf(block_sum(ss) / h + eps);
-  for (int v = threadIdx.x; v < h / 8; v += kThreads) {
+  for (int v = threadIdx.x; v < h / 8; v += blockDim.x) {
     float fr[8], fw[8];
     to_float8<T>(*reinterpret_cast<const uint4*>(res + 8 * v), fr);
     to_float8<T>(*reinterpret_cast<const uint4*>(w + 8 * v), fw);
@@ -309,7 +318,7 @@ __device__ void build_input(int s, const ChainArgs<T>& a, T* x_s, T* res_s) {
   } else {  // s == 3: the next layer's input norm (also the end when there is no qkv)
     add_norm(x_s, res_s, a.d_buf, a.next_norm_w, a.hidden, a.eps);
     if (blockIdx.x == 0) {
-      for (int v = threadIdx.x; v < a.hidden / 8; v += kThreads) {
+      for (int v = threadIdx.x; v < a.hidden / 8; v += blockDim.x) {
         *reinterpret_cast<uint4*>(a.residual + 8 * v) = *reinterpret_cast<const uint4*>(res_s + 8 * v);
         if (a.num_stages == 3)
           *reinterpret_cast<uint4*>(a.out + 8 * v) = *reinterpret_cast<const uint4*>(x_s + 8 * v);
@@ -353,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   const int early = (a.debug & 16) ? S : 1;
   for (int j = 0; j < early; ++j) {
     if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
-    if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+    if (prod.s < a.num_stages) advance<kChunkSlices>(prod, a, warp_id, num_warps);
   }
   pdl_wait();  // attn and residual are the previous kernels' outputs
   for (int v = threadIdx.x; v < a.k[0] / 8; v += kThreads)
@@ -363,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   __syncthreads();
   for (int j = early; j < S; ++j) {
     if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
-    if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+    if (prod.s < a.num_stages) advance<kChunkSlices>(prod, a, warp_id, num_warps);
   }
   if (stamp) stamps[0] = globaltimer();
   int consumed = 0;
@@ -378,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
       if (stamp) stamps[2 * s] = globaltimer();
       build_input(s, a, x_s, res_s);
     }
-    const int k = a.k[s], nch = chunks_of(k), rows = s == 1 ? 2 : 1;
+    const int k = a.k[s], nch = chunks_of<kChunkSlices>(k), rows = s == 1 ? 2 : 1;
     T* const dst = s == 0 ? a.o_buf : s == 1 ? a.act_buf : s == 2 ? a.d_buf : a.out;
     for (int u = warp_id; u < a.units[s]; u += num_warps) {
       float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
@@ -411,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             issue(prod, a, ring + j * kSlotBytes, &bar[j]);
           }
-          if (prod.s < a.num_stages) advance(prod, a, warp_id, num_warps);
+          if (prod.s < a.num_stages) advance<kChunkSlices>(prod, a, warp_id, num_warps);
         }
       }
       float y = warp_sum(acc0);
@@ -431,9 +440,115 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
   }
   if (stamp) stamps[9] = globaltimer();
 }
-#else  // the sm_80 pass: TMA bulk copies are sm_90; the host launches this kernel on sm_90 only
+
+// The "ld" variant: the same stages, barriers and roundings, but the weights stream as the GEMV
+// streams them (qkv_gemm_gemv.cu): 16-byte register loads (load_stream), 16 warps an SM, each
+// warp's next step of 8 slices (4 KB of one row) loaded before it multiplies the current one, so
+// 8-16 loads per lane are in flight. No shared-memory ring, no TMA. Sums in the ring's order (two
+// FMA chains over each 16-slice chunk), so both variants give the same bits.
+template <typename T>
+__device__ __forceinline__ void load_step(uint4 (&buf)[kLdSlices], const Cursor& cur,
+                                          const ChainArgs<T>& a, int lane) {
+  if (cur.s >= a.num_stages) return;
+  const int k = a.k[cur.s];
+  const int row = cur.u + (cur.r ? a.units[cur.s] : 0);
+  const T* src = a.w[cur.s] + static_cast<int64_t>(row) * k + cur.c * kLdSlices * kSlice + lane * 8;
+  const int n = min(kLdSlices, k / kSlice - cur.c * kLdSlices);
+#pragma unroll
+  for (int i = 0; i < kLdSlices; ++i)
+    if (i < n) buf[i] = load_stream(src + i * kSlice);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kLdThreads, 1) decode_chain_ld_kernel(const ChainArgs<T> a) {
+  extern __shared__ __align__(16) char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_id = blockIdx.x * kLdWarps + warp;
+  const int num_warps = gridDim.x * kLdWarps;
+  unsigned long long* stamps =  // as in decode_chain_kernel
+      reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
+  const bool stamp = (a.debug & 8) && threadIdx.x == 0;
+  if (stamp) stamps[8] = globaltimer();
+  T* x_s = reinterpret_cast<T*>(smem);  // [max_k] the stage's input
+  T* res_s = x_s + (a.max_k + 7) / 8 * 8;  // [H] the residual
+
+  // The warp's first step: weights only, so before the PDL wait.
+  Cursor prod{0, warp_id, 0, 0};
+  settle(prod, a, warp_id);
+  uint4 next[kLdSlices];
+  load_step(next, prod, a, lane);
+  if (prod.s < a.num_stages) advance<kLdSlices>(prod, a, warp_id, num_warps);
+  pdl_wait();  // attn and residual are the previous kernels' outputs
+  for (int v = threadIdx.x; v < a.k[0] / 8; v += kLdThreads)
+    *reinterpret_cast<uint4*>(x_s + 8 * v) = *reinterpret_cast<const uint4*>(a.attn + 8 * v);
+  for (int v = threadIdx.x; v < a.hidden / 8; v += kLdThreads)
+    *reinterpret_cast<uint4*>(res_s + 8 * v) = *reinterpret_cast<const uint4*>(a.residual + 8 * v);
+  __syncthreads();
+  if (stamp) stamps[0] = globaltimer();
+
+  for (int s = 0; s < a.num_stages; ++s) {
+    if (s > 0) {
+      if (stamp) stamps[2 * s - 1] = globaltimer();
+      if (a.debug & 4) {
+        __syncthreads();
+      } else if (!grid_barrier(a.barrier, s, a.debug & 1)) {
+        return;
+      }
+      if (stamp) stamps[2 * s] = globaltimer();
+      build_input(s, a, x_s, res_s);
+    }
+    const int k = a.k[s], nst = chunks_of<kLdSlices>(k), rows = s == 1 ? 2 : 1;
+    T* const dst = s == 0 ? a.o_buf : s == 1 ? a.act_buf : s == 2 ? a.d_buf : a.out;
+    for (int u = warp_id; u < a.units[s]; u += num_warps) {
+      float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
+      for (int r = 0; r < rows; ++r) {
+        float sum[2] = {0.f, 0.f};  // two FMA chains over each 16-slice chunk, as the ring
+        for (int c = 0; c < nst; ++c) {
+          uint4 now[kLdSlices];
+#pragma unroll
+          for (int i = 0; i < kLdSlices; ++i) now[i] = next[i];
+          load_step(next, prod, a, lane);  // in flight while this step multiplies
+          if (prod.s < a.num_stages) advance<kLdSlices>(prod, a, warp_id, num_warps);
+          const T* xs = x_s + c * kLdSlices * kSlice + lane * 8;
+          const int n = min(kLdSlices, k / kSlice - c * kLdSlices);
+#pragma unroll
+          for (int i = 0; i < kLdSlices; ++i) {
+            if (i < n && !(a.debug & 2)) {
+              const uint4 xv = *reinterpret_cast<const uint4*>(xs + i * kSlice);
+              float wf[8], xf[8];
+              to_float8<T>(now[i], wf);
+              to_float8<T>(xv, xf);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) sum[i & 1] = fmaf(wf[e], xf[e], sum[i & 1]);
+            }
+          }
+          if ((c & 1) || c == nst - 1) {  // a 16-slice chunk (or the row) is done
+            if (r == 0) acc0 += sum[0] + sum[1]; else acc1 += sum[0] + sum[1];
+            sum[0] = sum[1] = 0.f;
+          }
+        }
+      }
+      float y = warp_sum(acc0);
+      if (s == 1) {
+        const float g = to_float(from_float<T>(y));
+        const float up = to_float(from_float<T>(warp_sum(acc1)));
+        y = g / (1.0f + __expf(-g)) * up;
+      }
+      if (lane == 0) dst[u] = from_float<T>(y);
+    }
+  }
+  if (stamp) stamps[2 * a.num_stages - 1] = globaltimer();
+  if (a.num_stages == 3) {  // no next qkv: the final norm is the output
+    if (!grid_barrier(a.barrier, 3, a.debug & 1)) return;
+    if (blockIdx.x == 0) build_input(3, a, x_s, res_s);
+  }
+  if (stamp) stamps[9] = globaltimer();
+}
+#else  // the sm_80 pass: TMA bulk copies are sm_90; the host launches these kernels on sm_90 only
 template <typename T, int S>
 __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainArgs<T> a) {}
+template <typename T>
+__global__ void __launch_bounds__(kLdThreads, 1) decode_chain_ld_kernel(const ChainArgs<T> a) {}
 #endif
 
 template <typename T>
@@ -457,6 +572,17 @@ cudaError_t launch(const ChainArgs<T>& a, int grid, int variant, cudaStream_t st
     cfg.cfg.attrs = &coop;
     cfg.cfg.numAttrs = 1;
   }
+  return launch_ex(kernel, cfg, a);
+}
+
+template <typename T>
+cudaError_t launch_ld(const ChainArgs<T>& a, int grid, cudaStream_t stream) {
+  const size_t smem = smem_bytes<T>(0, a.max_k, a.hidden);
+  auto kernel = decode_chain_ld_kernel<T>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+  if (attr != cudaSuccess) return attr;
+  LaunchConfig cfg(dim3(grid), dim3(kLdThreads), smem, stream, false, 1);
   return launch_ex(kernel, cfg, a);
 }
 
@@ -524,6 +650,7 @@ cudaError_t decode_chain(void* out, const void* attn, void* residual, const void
     a.act_buf = reinterpret_cast<T*>(base + ws.act);
     a.d_buf = reinterpret_cast<T*>(base + ws.d);
     a.debug = debug;
+    if (variant == kLd) return launch_ld<T>(a, dev.num_sms, stream);
     return slots == 3 ? launch<T, 3>(a, dev.num_sms, variant, stream)
                       : launch<T, 2>(a, dev.num_sms, variant, stream);
   });

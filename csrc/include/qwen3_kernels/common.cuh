@@ -50,6 +50,16 @@ __device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
+// 16 bytes of a weight streamed once (the GEMVs, decode_chain): read once, never again, so keep it
+// out of L1 and fetch whole 256-byte L2 lines.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
 // Eight 16-bit values (one 16-byte load, element 0 in the low half of .x) to fp32, from registers:
 // load the 16 bytes first (one LDS.128 / LDG.128), then convert. (Reading the elements through a
 // T* cast of the word made nvcc issue eight 2-byte shared loads instead, thirteenth session.)

@@ -68,15 +68,6 @@ VariantKnob<kNumVariants>& knob() {
   return k;
 }
 
-// 16 bytes of the weight: read once, never again, so keep it out of L1 and fetch whole L2 lines.
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 // One stage of weight loads: slice u of row r at columns kk + 256 u + 8 lane .. +7. Columns at or
 // past k (only in the last stage; k % 8 == 0, so a lane's 8 columns are all in or all out) are not
 // read.

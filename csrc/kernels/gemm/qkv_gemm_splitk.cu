@@ -56,15 +56,6 @@ constexpr int min_ctas_per_sm(int nt) { return nt >= 8 ? 3 : 4; }
 constexpr int kRedStride = kRowsPerCta + 4;  // fp32 partials [token][row]; +4 avoids bank conflicts
 constexpr int kPrefetchAhead = 2;            // L2 prefetch distance past the register loads (steps)
 
-// 16 bytes of the weight: read once, never again, so keep it out of L1 and fetch whole L2 lines.
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 // bytes (a multiple of 16, 16-byte aligned) of the weight into L2, asynchronously: a hint that
 // holds no registers and is never waited for.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {

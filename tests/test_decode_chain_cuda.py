@@ -78,7 +78,7 @@ def run_chain(L, ws, out=None, **kw):
     return out, residual
 
 
-@pytest.mark.parametrize("variant", ["auto", "ld"])  # the TMA ring / register loads
+@pytest.mark.parametrize("variant", ["auto", "ld", "ld_dyn"])  # the TMA ring / register loads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_decode_chain_matches_reference(shape, dtype, variant):
@@ -113,20 +113,9 @@ def _eight_b(dtype=torch.bfloat16, last=False):
     return make_layer(h, q, i, n, dtype, seed=1), qwen3_kernels.decode_chain_workspace(h, i, "cuda")
 
 
-@pytest.mark.parametrize("last", [False, True])
-def test_repeated_calls_graph_and_variants_agree_bitwise(last):
-    L, ws = _eight_b(last=last)
-    first, first_res = run_chain(L, ws)
-    for _ in range(20):
-        again, again_res = run_chain(L, ws)
-        assert torch.equal(again, first) and torch.equal(again_res, first_res)
-    for variant in ("pdl", "ld"):  # ld: another kernel, the same sums in the same order
-        with et.variant("chain", variant):
-            for _ in range(3):
-                other, other_res = run_chain(L, ws)
-                assert torch.equal(other, first) and torch.equal(other_res, first_res), variant
-
-    # a graph of 3 chained calls (the residual carried through), replayed twice
+def _graph_of_three(L, ws, first):
+    """A CUDA graph of 3 chained calls (the residual carried through), replayed twice, against the
+    same 3 calls eagerly, bit for bit."""
     residual = L["residual"].clone()
     outs = [torch.empty_like(first) for _ in range(3)]
     s = torch.cuda.Stream()
@@ -152,6 +141,27 @@ def test_repeated_calls_graph_and_variants_agree_bitwise(last):
         for o, w in zip(outs, want):
             assert torch.equal(o, w)
         assert torch.equal(residual, want_res)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_repeated_calls_graph_and_variants_agree_bitwise(last):
+    L, ws = _eight_b(last=last)
+    first, first_res = run_chain(L, ws)
+    for _ in range(20):
+        again, again_res = run_chain(L, ws)
+        assert torch.equal(again, first) and torch.equal(again_res, first_res)
+    # ld / ld_dyn: another kernel, the same sums in the same order (ld_dyn: a wrong ticket reset
+    # would skip or repeat units from the second call on)
+    for variant in ("pdl", "ld", "ld_dyn"):
+        with et.variant("chain", variant):
+            for _ in range(3):
+                other, other_res = run_chain(L, ws)
+                assert torch.equal(other, first) and torch.equal(other_res, first_res), variant
+
+    # a graph of 3 chained calls (the residual carried through), replayed twice, per kernel
+    for variant in ("auto", "ld_dyn"):
+        with et.variant("chain", variant):
+            _graph_of_three(L, ws, first)
     assert ws[:4].view(torch.int32).item() == 0
 
 

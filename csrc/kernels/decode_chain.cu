@@ -59,16 +59,15 @@
 // before the inputs.
 //
 // Measured (H200, 2026-12-01, thirteenth and fourteenth sessions; benchmarks/RESULTS.md): correct
-// (FA3 rule at the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants) but
-// 131.2 us a Qwen3-8B layer (2.94 TB/s) against 108.7 for the six launches it replaces; 187
-// against 220 decode tok/s in the engine, so the model runs it only with QWEN3_DECODE_CHAIN=1.
-// The limit is the streaming itself: without the multiply (debug bit 1) a call still takes 128.6
-// us, without the barriers too 125.3; the CTAs end gate_up 30 us apart whether rows are dealt
-// statically or drawn from atomic counters (the latter measured 135.7: commit 318d354), and ncu
-// reads DRAM at 56% of peak against the GEMV's 78% on the same gate_up weight. Streaming the
-// weights as the GEMV does (16-byte loads into registers, many warps an SM) would bring the chain
-// to about par with the six launches; only overlapping the attention kernels with weight
-// streaming would make it pay (RESULTS.md).
+// (FA3 rule at the 0.6B / 8B / 32B sizes, every variant bit-identical, across calls and graphs).
+// A Qwen3-8B layer: the TMA ring (auto) 131.2-132.9 us, ld 110.4-110.8, ld_dyn 115.8, against
+// 108.7-109.6 for the six launches it replaces; in the engine at batch 1 (QWEN3_DECODE_CHAIN=1)
+// ld 217.4-217.7, ld_dyn 209.4, the ring 187 against 219.7-220.1 decode tok/s without the chain,
+// so the model runs it only when asked. The ring's limit was its streaming (without the multiply
+// a call still took 128.6 us; ncu: DRAM at 56% of peak against the GEMV's 78%); dealing units
+// from ticket counters lost with both engines (ring 135.7 in commit 318d354, ld_dyn above). With
+// the GEMV's streaming the chain is at par; what is left is the attention kernels between the
+// chains, during which no weight streams (RESULTS.md). Next: ld as the only kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -447,13 +446,14 @@ __global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainAr
 // warp's next step of 8 slices (4 KB of one row) loaded before it multiplies the current one, so
 // 8-16 loads per lane are in flight, across stage boundaries too. No shared-memory ring, no TMA.
 // Sums in the ring's order (two FMA chains over each 16-slice chunk): every variant gives the
-// same bits. Measured (H200, call 8): 110.8 us a Qwen3-8B layer against the ring's 132.9.
+// same bits. Measured (H200, calls 8-9): 110.4-110.8 us a Qwen3-8B layer against the ring's 132.9.
 // kDyn ("ld_dyn"): a warp's first unit of a stage is its warp_id, every further one is drawn from
 // a ticket counter of its group (warp w of every CTA: 132 warps a counter, so the draws do not
 // serialise), so a warp on an SM that streams faster takes more units and the stage ends when the
 // work does, not when the slowest SM's share does. The draw for the unit after the current one
 // is made when the current one is entered and read when it ends (an atomic under full DRAM load
-// takes ~1 us). The last CTA to finish resets the counters for the next call.
+// takes ~1 us). The last CTA to finish resets the counters for the next call. Measured slower
+// than the static split (115.8 against 110.4 us; the CTAs' stage ends spread as much).
 __device__ __forceinline__ uint32_t* ticket(uint32_t* barrier, int s, int group) {
   return barrier + 512 + (s * kLdWarps + group) * 8;  // bytes [2048, 4096), 32 bytes apart
 }

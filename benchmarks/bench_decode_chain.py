@@ -7,11 +7,8 @@ matmuls, at the Qwen3 sizes, bf16.
 A CUDA graph of 36 layers (Qwen3-8B's count) replays over 8 weight sets, so every layer streams
 its weights from HBM (8 x 386 MB at 8B, far past the L2). Bytes that must move: the chain's
 weights (the activations are a few KB). Rows: "chain" the default launch, "chain[pdl]" the PDL
-launch, "chain[ld]" the register-load kernel (QWEN3_CHAIN_VARIANT=ld), "chain[ld_dyn]" that with
-units drawn from ticket counters; all but pdl alternated with the baselines by rematch.
+launch; both alternated with the baselines by rematch.
 """
-
-import contextlib
 
 import pytest
 import torch
@@ -53,14 +50,10 @@ def test_decode_chain(model, report):
     ws = qwen3_kernels.decode_chain_workspace(h, i, "cuda")
     out = torch.empty(1, n, device="cuda", dtype=DT)
 
-    def chain(s, variant=None):
+    def chain(s):
         w = W[s]
-
-        def run():  # the variant is chosen at launch, so also when a graph captures the call
-            with et.variant("chain", variant) if variant else contextlib.nullcontext():
-                qwen3_kernels.decode_chain(attn, residual, w["o"], w["post"], w["gu"], w["down"],
-                                           w["nxt"], w["qkv"], EPS, ws, out=out)
-        return run
+        return lambda: qwen3_kernels.decode_chain(attn, residual, w["o"], w["post"], w["gu"],
+                                                  w["down"], w["nxt"], w["qkv"], EPS, ws, out=out)
 
     # the unfused layer as the model runs it at batch 1 without the chain (our ops), and with
     # cuBLAS for the four matmuls
@@ -96,8 +89,6 @@ def test_decode_chain(model, report):
     kw = dict(reps=10, calls_per_replay=LAYERS)
     paths = {
         "chain": [chain(s) for s in range(sets)],
-        "chain[ld]": [chain(s, "ld") for s in range(sets)],
-        "chain[ld_dyn]": [chain(s, "ld_dyn") for s in range(sets)],
         "unfused (our GEMVs + norms)": [unfused(s) for s in range(sets)],
         "cuBLAS + our norms": [cublas(s) for s in range(sets)],
     }
@@ -108,12 +99,11 @@ def test_decode_chain(model, report):
     torch.cuda.synchronize()
     assert ws[:4].view(torch.int32).item() == 0
     base = {k: v for k, v in best.items() if not k.startswith("chain")}
-    for name in ("chain", "chain[pdl]", "chain[ld]", "chain[ld_dyn]"):
+    for name in ("chain", "chain[pdl]"):
         report("decode_chain", f"{model} [{name}] one layer, weights rotated", best[name], base,
                nbytes=per_set)
     ratio = best["unfused (our GEMVs + norms)"] / best["chain"]
     print(f"\n{model}: chain {best['chain'] * 1e6:.1f} us/layer ({per_set / best['chain'] / 1e12:.2f} TB/s), "
-          f"pdl {best['chain[pdl]'] * 1e6:.1f}, ld {best['chain[ld]'] * 1e6:.1f}, ld_dyn "
-          f"{best['chain[ld_dyn]'] * 1e6:.1f}; unfused "
+          f"pdl {best['chain[pdl]'] * 1e6:.1f}; unfused "
           f"{best['unfused (our GEMVs + norms)'] * 1e6:.1f} ({ratio:.3f}x), cuBLAS "
           f"{best['cuBLAS + our norms'] * 1e6:.1f}")

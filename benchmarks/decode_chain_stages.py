@@ -8,11 +8,9 @@ barrier, each stage's start after it); bits 1 and 2 skip the multiply / the grid
 gives wrong outputs but separates streaming from arithmetic and waiting. The last of 20 calls is
 printed: min / median / max over the CTAs of each stamp, in us since the earliest kernel entry
 (a call's time minus the last exit is the gap between calls).
-Bit 4 (16, 24 with the stamps) issues every warp's first S weight chunks before it loads the
-inputs (the order before the fourteenth session): "start" then shows how long the inputs' loads
-queue behind those chunks.
-Thirteenth session (H200, 8B): a CTA's stage-1 end ranged over 25 us with equal work per CTA.
-Fourteenth: units dealt dynamically (commit 318d354) did not make the stages shorter (RESULTS.md).
+Thirteenth session (H200, 8B, the TMA-ring kernel): a CTA's stage-1 end ranged over 25 us with
+equal work per CTA; fourteenth: dealing units dynamically did not make the stages shorter, the
+register-load kernel (now the only one) did (RESULTS.md).
 """
 
 import os
@@ -29,7 +27,7 @@ STAMP_OFFSET = 4096  # bytes into the workspace; 10 int64 stamps per CTA (decode
 
 def main(name: str = "8B") -> None:
     if not (torch.cuda.is_available() and int(os.environ.get("QWEN3_CHAIN_DEBUG", "0")) & 8):
-        sys.exit("needs a GPU and QWEN3_CHAIN_DEBUG=8 (or 10, 12, 14, 24) in the environment")
+        sys.exit("needs a GPU and QWEN3_CHAIN_DEBUG=8 (or 10, 12, 14) in the environment")
     h, q, i, n = SHAPES[name]
     dt = torch.bfloat16
     r = lambda *s, scale=1.0: (torch.randn(*s, device="cuda") * scale).to(dt)  # noqa: E731

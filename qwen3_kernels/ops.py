@@ -598,7 +598,6 @@ def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor,
 # Batch-1 decode chain
 # ----------------------------------------------------------------------------------------------
 
-_CHAIN_SLOT_BYTES = 8 * 8192  # a ring slot per warp, 8 warps (csrc/kernels/decode_chain.cu)
 _CHAIN_MAX_SMEM = 226 * 1024  # 227 KB per block, 1 KB left for static shared memory
 
 
@@ -618,18 +617,19 @@ def decode_chain_workspace(hidden: int, inter: int, device=None) -> torch.Tensor
 
 def decode_chain_supported(hidden: int, q_dim: int, inter: int, device) -> bool:
     """Whether the decode_chain kernel runs these sizes on this device: the built extension, an
-    sm_90 GPU, hidden / q width / intermediate multiples of 256 whose ring (two 8 KB slots per warp
-    at least), input and residual fit 226 of the 227 KB of shared memory. Elsewhere decode_chain runs
-    the reference on CUDA tensors too, and the model keeps the unfused ops."""
+    sm_90 GPU, hidden / q width / intermediate multiples of 256 (at most 2^20) whose stage input
+    and residual (16-bit) fit 226 of the 227 KB of shared memory (the rule of decode_chain_shape_ok
+    in kernels/decode_chain.cu). Elsewhere decode_chain runs the reference on CUDA tensors too, and
+    the model keeps the unfused ops."""
     device = torch.device(device)
     if not (_HAS_CUDA_KERNELS and device.type == "cuda"):
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False
     dims = (hidden, q_dim, inter)
-    if any(d <= 0 or d % 256 for d in dims):
+    if any(d <= 0 or d % 256 or d > 2**20 for d in dims):
         return False
-    return 2 * _CHAIN_SLOT_BYTES + 2 * max(dims) + 2 * hidden <= _CHAIN_MAX_SMEM
+    return 2 * (max(dims) + hidden) <= _CHAIN_MAX_SMEM
 
 
 def decode_chain(

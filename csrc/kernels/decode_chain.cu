@@ -14,60 +14,51 @@
 //
 // Why one kernel: at batch 1 a decode step is a pass over the weights (Qwen3-8B: 15.1 GB, 3.5 ms at
 // the read ceiling), and between the unfused launches the memory system idles: each GEMV's ramp and
-// tail, each norm's launch (eleventh session: ~400 us of a 4.56 ms step). Here each CTA keeps its
+// tail, each norm's launch (eleventh session: ~400 us of a 4.56 ms step). Here each warp keeps its
 // weight loads in flight across the stage boundaries: a stage's input is needed only to multiply,
-// not to load the weight, so the next stage's first chunks are already on their way while the
-// grid waits at the barrier and the norms are rebuilt.
+// not to load the weight, so the next stage's first loads are on their way while the grid waits
+// at the barrier and the norms are rebuilt.
 //
 // Shape of the kernel:
-//   - One CTA per SM (grid = SM count; the ring's shared memory leaves room for one), 8 warps; all
-//     CTAs must be resident at once for the grid barriers, which one CTA per SM and nothing else
-//     running guarantees in stream order (the kernel never triggers its dependents early).
+//   - One CTA of 16 warps per SM (grid = SM count); all CTAs must be resident at once for the grid
+//     barriers, which one CTA per SM and nothing else running guarantees in stream order (the
+//     kernel never triggers its dependents early).
 //   - Every warp owns whole outputs (rows of a weight; gate_up: the pair of rows u and I + u) over
 //     the full K: no split-K, no partial sums between warps. Output u of a stage goes to warp
-//     u mod (8 x grid), so a warp's work is a fixed list of rows known before the kernel starts.
-//   - Each warp streams its rows through its own ring of S slots in shared memory, chunks of up
-//     to 4096 columns (8 KB) of one row, each one TMA bulk copy issued by the warp's lane 0 and
-//     completed on the slot's mbarrier; the ring is the warp's alone, nothing is shared between
-//     warps. (A first version, twelfth session, shared one ring among the warps through mbarrier
-//     phases; parity cannot tell a slot's use u from u - 2, a warp more than a ring ahead read a
-//     stale chunk, and the pipeline hung. Here a slot's next copy is issued only after this warp
-//     has read its last one, so every wait is for the slot's next phase.) The refill of a slot is
-//     issued after the chunk in it has been multiplied, S chunks ahead in the warp's list, across
-//     stage boundaries.
+//     u mod (16 x grid), a fixed list known before the kernel starts.
+//   - The weights stream as the GEMV streams them (qkv_gemm_gemv.cu): 16-byte register loads
+//     (load_stream: L1 bypassed, 256-byte L2 lines), a lane's 8 loads of a step (4 KB of one row
+//     per warp) issued before it multiplies the step before, so 8-16 loads per lane are in
+//     flight, across stage boundaries too.
 //   - Stages are separated by grid barriers (an arrival count and a generation word in the
 //     workspace). After a barrier every CTA rebuilds the next stage's input in shared memory
 //     itself (the norms are 4096-wide: redundant work on 132 SMs is cheaper than one more barrier).
 //   - x (the stage's input) sits in shared memory as the dtype; each lane reads 16 bytes of it per
-//     16 bytes of weight, at ~17 bytes of weight per SM clock well under shared memory's 128.
+//     16 bytes of weight.
 //
 // Launch variants (QWEN3_CHAIN_VARIANT; qwen3_chain_set_variant for the benchmarks):
 //   auto  a plain launch
-//   pdl   programmatic dependent launch: the first S chunks of W_o are requested before
+//   pdl   programmatic dependent launch: each warp's first step of W_o is requested before
 //         griddepcontrol.wait, while the kernel before finishes (the weights are never written by
 //         it); everything else waits.
 //   coop  a cooperative launch: the driver refuses a grid that cannot be resident at once (an
 //         error instead of a hang); otherwise the plain launch.
-//   ld    decode_chain_ld_kernel (a plain launch): the weights through registers as the GEMV
-//         reads them instead of the TMA ring (see that kernel); the same results bit for bit.
-//   ld_dyn  ld with units drawn from per-group ticket counters after the first (see there).
 // A wait that lasts 5 s (a lost arrival, a CTA that never became resident) traps: the launch
 // fails with an error instead of holding the GPU. QWEN3_CHAIN_DEBUG (read once, bits): 1 such a
 // wait gives up instead, the CTA returns and leaves its state in the workspace's barrier words;
 // 2 skip the multiply, 4 skip the grid barriers (wrong outputs: timing only); 8 per-CTA globaltimer
-// stamps of every stage (benchmarks/decode_chain_stages.py reads them); 16 the first S chunks all
-// before the inputs.
+// stamps of every stage (benchmarks/decode_chain_stages.py reads them).
 //
 // Measured (H200, 2026-12-01, thirteenth and fourteenth sessions; benchmarks/RESULTS.md): correct
-// (FA3 rule at the 0.6B / 8B / 32B sizes, every variant bit-identical, across calls and graphs).
-// A Qwen3-8B layer: the TMA ring (auto) 131.2-132.9 us, ld 110.4-110.8, ld_dyn 115.8, against
-// 108.7-109.6 for the six launches it replaces; in the engine at batch 1 (QWEN3_DECODE_CHAIN=1)
-// ld 217.4-217.7, ld_dyn 209.4, the ring 187 against 219.7-220.1 decode tok/s without the chain,
-// so the model runs it only when asked. The ring's limit was its streaming (without the multiply
-// a call still took 128.6 us; ncu: DRAM at 56% of peak against the GEMV's 78%); dealing units
-// from ticket counters lost with both engines (ring 135.7 in commit 318d354, ld_dyn above). With
-// the GEMV's streaming the chain is at par; what is left is the attention kernels between the
-// chains, during which no weight streams (RESULTS.md). Next: ld as the only kernel.
+// (FA3 rule at the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants). A
+// Qwen3-8B layer: 110.4-110.8 us against 108.7-109.6 for the six launches it replaces; in the
+// engine at batch 1 (QWEN3_DECODE_CHAIN=1) 217.4-217.7 against 219.7-220.1 decode tok/s without
+// the chain, so the model runs it only when asked. Earlier forms, all slower and removed: each
+// warp streaming its rows through a ring of 8 KB TMA bulk copies in shared memory (131.2-132.9
+// us; DRAM at 56% of peak by ncu against the GEMV's 78%), and units drawn from atomic ticket
+// counters instead of the fixed lists (135.7 with the ring, 115.8 with register loads; commits
+// 318d354, fb44ecc). With the GEMV's streaming the chain is at par; what is left is the attention
+// kernels between the chains, during which no weight streams (RESULTS.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -81,27 +72,20 @@
 namespace qwen3_kernels {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 16;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kSlice = 256;                         // columns of one 16-byte load across a warp
-constexpr int kChunkSlices = 16;                    // slices per ring slot: 4096 columns
-[[maybe_unused]] constexpr int kChunkCols = kChunkSlices * kSlice;
-constexpr int kSlotBytes = kChunkSlices * 32 * 16;  // 8 KB per warp per slot
-constexpr int kLdWarps = 16;                        // the "ld" variant: 16 warps an SM
-constexpr int kLdThreads = 32 * kLdWarps;
-constexpr int kLdSlices = 8;                        // its step: 8 16-byte loads per lane
-static_assert(kChunkSlices % kLdSlices == 0 && kChunkSlices / kLdSlices == 2,
-              "the ld variant sums each 16-slice chunk over two steps, as the ring does");
+constexpr int kSlice = 256;       // columns of one 16-byte load across a warp
+constexpr int kStepSlices = 8;    // a step: 8 loads per lane, 2048 columns of one row
 // sm_90's opt-in limit per block is 227 KB for dynamic + static shared memory together (block_sum's
 // partials are static): 1 KB is left for them.
 constexpr int kMaxSmem = 226 * 1024;
-// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), ld_dyn's
-// CTAs done at 768 and tickets at [2048, 4096), the debug stamps from 4096
+// count at byte 0, generation at 128, the watchdog's words from 256 (see grid_barrier), the
+// debug stamps from 4096
 constexpr int64_t kBarrierBytes = 16384;
 [[maybe_unused]] constexpr unsigned long long kWatchdogNs = 5000000000ull;
 
-enum Variant { kAuto, kPdl, kCoop, kLd, kLdDyn, kNumVariants };
-constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "coop", "ld", "ld_dyn"};
+enum Variant { kAuto, kPdl, kCoop, kNumVariants };
+constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "coop"};
 
 VariantKnob<kNumVariants>& knob() {
   static VariantKnob<kNumVariants> k("QWEN3_CHAIN_VARIANT", kVariantNames);
@@ -139,10 +123,9 @@ struct ChainArgs {
   T* o_buf;                // [H]
   T* act_buf;              // [I]
   T* d_buf;                // [H]
-  int debug;               // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-4 timing (kernel) (no trap)
+  int debug;               // QWEN3_CHAIN_DEBUG (see the top of the file)
 };
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -194,49 +177,16 @@ __device__ bool grid_barrier(uint32_t* barrier, int which, int debug) {
   return gave_up == 0;
 }
 
-// The ring's copies: one 1-D TMA bulk copy per chunk (global -> this CTA's shared memory), whose
-// completion is counted in bytes on the slot's mbarrier. One instruction moves a whole chunk; the
-// first version of this kernel (per-lane 16-byte cp.async) kept too little in flight and streamed
-// at 1.6 TB/s (thirteenth session).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// One arrival that also expects `bytes` of transactions, then the copy that completes them.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-
-// Waits until the phase of `bar` with this parity has completed (the chunk has landed).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  }
-}
-
-// Where a warp is in its list of chunks: stage s, unit u (its output), row r of the unit (gate_up:
-// 0 gate, 1 up), chunk c of the row. Producer and consumer walk the same list.
+// Where a warp is in its list of steps: stage s, unit u (its output), row r of the unit (gate_up:
+// 0 gate, 1 up), step c of the row. The loads and the multiplies walk the same list, one apart.
 struct Cursor {
   int s, u, r, c;
 };
 
-// Chunks of `slices` 256-column slices in a row of k columns (the last one may be shorter).
-template <int slices>
-__device__ __forceinline__ int chunks_of(int k) { return (k / kSlice + slices - 1) / slices; }
+// Steps in a row of k columns (the last one may be shorter).
+__device__ __forceinline__ int steps_of(int k) {
+  return (k / kSlice + kStepSlices - 1) / kStepSlices;
+}
 
 // The first unit of this warp at or after stage s (s == num_stages: past the end).
 template <typename T>
@@ -247,26 +197,14 @@ __device__ __forceinline__ void settle(Cursor& cur, const ChainArgs<T>& a, int w
   }
 }
 
-template <int slices, typename T>
+template <typename T>
 __device__ __forceinline__ void advance(Cursor& cur, const ChainArgs<T>& a, int warp_id, int num_warps) {
-  if (++cur.c < chunks_of<slices>(a.k[cur.s])) return;
+  if (++cur.c < steps_of(a.k[cur.s])) return;
   cur.c = 0;
   if (++cur.r < (cur.s == 1 ? 2 : 1)) return;
   cur.r = 0;
   cur.u += num_warps;
   settle(cur, a, warp_id);
-}
-
-// The cursor's chunk into `slot` (lane 0 only; nothing past the end of the list).
-template <typename T>
-__device__ __forceinline__ void issue(const Cursor& cur, const ChainArgs<T>& a, char* slot,
-                                      uint64_t* bar) {
-  if (cur.s >= a.num_stages) return;
-  const int k = a.k[cur.s];
-  const int row = cur.u + (cur.r ? a.units[cur.s] : 0);
-  const T* src = a.w[cur.s] + static_cast<int64_t>(row) * k + cur.c * kChunkCols;
-  const int n = min(kChunkSlices, k / kSlice - cur.c * kChunkSlices);
-  bulk_copy(slot, src, static_cast<uint32_t>(n * kSlice * sizeof(T)), bar);
 }
 
 // Stage input from global memory: dst[0:n] = src (n % 8 == 0); L2 only (another CTA wrote it).
@@ -328,184 +266,20 @@ __device__ void build_input(int s, const ChainArgs<T>& a, T* x_s, T* res_s) {
   __syncthreads();
 }
 
-template <typename T, int S>
-__global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainArgs<T> a) {
-  extern __shared__ __align__(16) char smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_id = blockIdx.x * kWarps + warp;
-  const int num_warps = gridDim.x * kWarps;
-  // QWEN3_CHAIN_DEBUG bit 1: skip the multiply; bit 2: skip the grid barriers (both give wrong
-  // outputs: for timing only). Bit 3: thread 0 of each CTA stores globaltimer stamps at byte
-  // 4096 + 80 * blockIdx.x: [0] the first stage's start (inputs in shared memory), [2s - 1] stage
-  // s - 1's end before its barrier, [2s] stage s's start after it, [8] kernel entry, [9] exit.
-  // Bit 4: all S first chunks before the inputs (the order before the fourteenth session).
-  unsigned long long* stamps =
-      reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
-  const bool stamp = (a.debug & 8) && threadIdx.x == 0;
-  if (stamp) stamps[8] = globaltimer();
-  char* ring = smem + warp * S * kSlotBytes;  // this warp's S slots
-  __shared__ __align__(8) uint64_t bars[kWarps][3];  // slot j of warp w completes on bars[w][j]
-  uint64_t* bar = bars[warp];
-  if (lane == 0)
-    for (int j = 0; j < S; ++j) mbar_init(&bar[j]);
-  // the barriers' initialisation visible to the TMA unit (the async proxy) before the first copy
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  __syncthreads();
-  T* x_s = reinterpret_cast<T*>(smem + kWarps * S * kSlotBytes);
-  T* res_s = x_s + (a.max_k + 7) / 8 * 8;
-
-  // The warp's first chunk (weights only, so before the PDL wait), then the inputs, then the
-  // other S - 1: the inputs' loads would otherwise queue behind all 132 x 8 x S first chunks
-  // (25 MB at 8B, ~6 us of DRAM time).
-  Cursor prod{0, warp_id, 0, 0};
-  settle(prod, a, warp_id);
-  const int early = (a.debug & 16) ? S : 1;
-  for (int j = 0; j < early; ++j) {
-    if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
-    if (prod.s < a.num_stages) advance<kChunkSlices>(prod, a, warp_id, num_warps);
-  }
-  pdl_wait();  // attn and residual are the previous kernels' outputs
-  for (int v = threadIdx.x; v < a.k[0] / 8; v += kThreads)
-    *reinterpret_cast<uint4*>(x_s + 8 * v) = *reinterpret_cast<const uint4*>(a.attn + 8 * v);
-  for (int v = threadIdx.x; v < a.hidden / 8; v += kThreads)
-    *reinterpret_cast<uint4*>(res_s + 8 * v) = *reinterpret_cast<const uint4*>(a.residual + 8 * v);
-  __syncthreads();
-  for (int j = early; j < S; ++j) {
-    if (lane == 0) issue(prod, a, ring + j * kSlotBytes, &bar[j]);
-    if (prod.s < a.num_stages) advance<kChunkSlices>(prod, a, warp_id, num_warps);
-  }
-  if (stamp) stamps[0] = globaltimer();
-  int consumed = 0;
-  for (int s = 0; s < a.num_stages; ++s) {
-    if (s > 0) {
-      if (stamp) stamps[2 * s - 1] = globaltimer();
-      if (a.debug & 4) {
-        __syncthreads();
-      } else if (!grid_barrier(a.barrier, s, a.debug & 1)) {
-        return;
-      }
-      if (stamp) stamps[2 * s] = globaltimer();
-      build_input(s, a, x_s, res_s);
-    }
-    const int k = a.k[s], nch = chunks_of<kChunkSlices>(k), rows = s == 1 ? 2 : 1;
-    T* const dst = s == 0 ? a.o_buf : s == 1 ? a.act_buf : s == 2 ? a.d_buf : a.out;
-    for (int u = warp_id; u < a.units[s]; u += num_warps) {
-      float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
-      for (int r = 0; r < rows; ++r) {
-        for (int c = 0; c < nch; ++c) {
-          const int j = consumed % S;  // the oldest chunk in flight, its slot's use consumed / S
-          mbar_wait(&bar[j], static_cast<uint32_t>(consumed / S) & 1u);
-          ++consumed;
-          const char* slot = ring + j * kSlotBytes + lane * 16;
-          const T* xs = x_s + c * kChunkCols + lane * 8;
-          const int n = min(kChunkSlices, k / kSlice - c * kChunkSlices);
-          float sum[2] = {0.f, 0.f};  // two FMA chains
-#pragma unroll
-          for (int i = 0; i < kChunkSlices; ++i) {
-            if (i < n && !(a.debug & 2)) {
-              const uint4 wv = *reinterpret_cast<const uint4*>(slot + i * 512);
-              const uint4 xv = *reinterpret_cast<const uint4*>(xs + i * kSlice);
-              float wf[8], xf[8];
-              to_float8<T>(wv, wf);
-              to_float8<T>(xv, xf);
-#pragma unroll
-              for (int e = 0; e < 8; ++e) sum[i & 1] = fmaf(wf[e], xf[e], sum[i & 1]);
-            }
-          }
-          if (r == 0) acc0 += sum[0] + sum[1]; else acc1 += sum[0] + sum[1];
-          // every lane's reads of the slot are done (their values are used): refill it S chunks
-          // ahead; the copy overwrites what the generic proxy read, so fence the proxies
-          __syncwarp();
-          if (lane == 0) {
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue(prod, a, ring + j * kSlotBytes, &bar[j]);
-          }
-          if (prod.s < a.num_stages) advance<kChunkSlices>(prod, a, warp_id, num_warps);
-        }
-      }
-      float y = warp_sum(acc0);
-      if (s == 1) {
-        // gate and up rounded first, as the unfused GEMM would store them; then silu_and_mul
-        const float g = to_float(from_float<T>(y));
-        const float up = to_float(from_float<T>(warp_sum(acc1)));
-        y = g / (1.0f + __expf(-g)) * up;
-      }
-      if (lane == 0) dst[u] = from_float<T>(y);
-    }
-  }
-  if (stamp) stamps[2 * a.num_stages - 1] = globaltimer();
-  if (a.num_stages == 3) {  // no next qkv: the final norm is the output
-    if (!grid_barrier(a.barrier, 3, a.debug & 1)) return;
-    if (blockIdx.x == 0) build_input(3, a, x_s, res_s);
-  }
-  if (stamp) stamps[9] = globaltimer();
-}
-
-// The "ld" variants: the same stages, barriers and roundings, but the weights stream as the GEMV
-// streams them (qkv_gemm_gemv.cu): 16-byte register loads (load_stream), 16 warps an SM, each
-// warp's next step of 8 slices (4 KB of one row) loaded before it multiplies the current one, so
-// 8-16 loads per lane are in flight, across stage boundaries too. No shared-memory ring, no TMA.
-// Sums in the ring's order (two FMA chains over each 16-slice chunk): every variant gives the
-// same bits. Measured (H200, calls 8-9): 110.4-110.8 us a Qwen3-8B layer against the ring's 132.9.
-// kDyn ("ld_dyn"): a warp's first unit of a stage is its warp_id, every further one is drawn from
-// a ticket counter of its group (warp w of every CTA: 132 warps a counter, so the draws do not
-// serialise), so a warp on an SM that streams faster takes more units and the stage ends when the
-// work does, not when the slowest SM's share does. The draw for the unit after the current one
-// is made when the current one is entered and read when it ends (an atomic under full DRAM load
-// takes ~1 us). The last CTA to finish resets the counters for the next call. Measured slower
-// than the static split (115.8 against 110.4 us; the CTAs' stage ends spread as much).
-__device__ __forceinline__ uint32_t* ticket(uint32_t* barrier, int s, int group) {
-  return barrier + 512 + (s * kLdWarps + group) * 8;  // bytes [2048, 4096), 32 bytes apart
-}
-
-// The step whose weights are in flight, and (kDyn, lane 0) the ticket drawn for its unit's successor.
-struct LdCursor {
-  Cursor cur;
-  uint32_t drawn;
-};
-
-// Moves to unit u of the current stage, or (u out of range) to the first unit of the next stage
-// that has one for this warp.
-template <typename T, bool kDyn>
-__device__ __forceinline__ void ld_enter(LdCursor& p, const ChainArgs<T>& a, int u, int warp_id,
-                                         int lane) {
-  while (p.cur.s < a.num_stages && u >= a.units[p.cur.s]) {
-    ++p.cur.s;
-    u = warp_id;
-  }
-  p.cur.u = u;
-  p.cur.r = p.cur.c = 0;
-  if (kDyn && p.cur.s < a.num_stages && lane == 0)
-    p.drawn = atomicAdd(ticket(a.barrier, p.cur.s, warp_id % kLdWarps), 1u);
-}
-
-template <typename T, bool kDyn>
-__device__ __forceinline__ void ld_advance(LdCursor& p, const ChainArgs<T>& a, int warp_id,
-                                           int num_warps, int lane) {
-  Cursor& cur = p.cur;
-  if (++cur.c < chunks_of<kLdSlices>(a.k[cur.s])) return;
-  cur.c = 0;
-  if (++cur.r < (cur.s == 1 ? 2 : 1)) return;
-  const int u = kDyn ? num_warps + warp_id % kLdWarps +
-                           kLdWarps * static_cast<int>(__shfl_sync(0xffffffffu, p.drawn, 0))
-                     : cur.u + num_warps;
-  ld_enter<T, kDyn>(p, a, u, warp_id, lane);
-}
-
 template <typename T>
-__device__ __forceinline__ void load_step(uint4 (&buf)[kLdSlices], const Cursor& cur,
+__device__ __forceinline__ void load_step(uint4 (&buf)[kStepSlices], const Cursor& cur,
                                           const ChainArgs<T>& a, int lane) {
   if (cur.s >= a.num_stages) return;
   const int k = a.k[cur.s];
   const int row = cur.u + (cur.r ? a.units[cur.s] : 0);
-  const T* src = a.w[cur.s] + static_cast<int64_t>(row) * k + cur.c * kLdSlices * kSlice + lane * 8;
-  const int n = min(kLdSlices, k / kSlice - cur.c * kLdSlices);
+  const T* src = a.w[cur.s] + static_cast<int64_t>(row) * k + cur.c * kStepSlices * kSlice + lane * 8;
+  const int n = min(kStepSlices, k / kSlice - cur.c * kStepSlices);
 #pragma unroll
-  for (int i = 0; i < kLdSlices; ++i)
+  for (int i = 0; i < kStepSlices; ++i)
     if (i < n) buf[i] = load_stream(src + i * kSlice);
 }
 
-// The grid barrier that ends stage s - 1, then stage s's input (stamps as decode_chain_kernel's).
+// The grid barrier that ends stage s - 1, then stage s's input (stamps: see decode_chain_kernel).
 template <typename T>
 __device__ __forceinline__ bool next_stage(int s, const ChainArgs<T>& a, T* x_s, T* res_s,
                                            unsigned long long* stamps, bool stamp) {
@@ -520,51 +294,53 @@ __device__ __forceinline__ bool next_stage(int s, const ChainArgs<T>& a, T* x_s,
   return true;
 }
 
-template <typename T, bool kDyn>
-__global__ void __launch_bounds__(kLdThreads, 1) decode_chain_ld_kernel(const ChainArgs<T> a) {
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainArgs<T> a) {
   extern __shared__ __align__(16) char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_id = blockIdx.x * kLdWarps + warp;
-  const int num_warps = gridDim.x * kLdWarps;
-  unsigned long long* stamps =  // as in decode_chain_kernel
+  const int warp_id = blockIdx.x * kWarps + warp;
+  const int num_warps = gridDim.x * kWarps;
+  // QWEN3_CHAIN_DEBUG bit 3: thread 0 of each CTA stores globaltimer stamps at byte 4096 + 80 *
+  // blockIdx.x: [0] the first stage's start (inputs in shared memory), [2s - 1] stage s - 1's end
+  // before its barrier, [2s] stage s's start after it, [8] kernel entry, [9] exit.
+  unsigned long long* stamps =
       reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(a.barrier) + 4096) + 10 * blockIdx.x;
   const bool stamp = (a.debug & 8) && threadIdx.x == 0;
   if (stamp) stamps[8] = globaltimer();
   T* x_s = reinterpret_cast<T*>(smem);  // [max_k] the stage's input
   T* res_s = x_s + (a.max_k + 7) / 8 * 8;  // [H] the residual
 
-  // The warp's first step: weights only, so before the PDL wait. (The tickets it draws were reset
-  // by the previous call's last CTA, which finished before this launch.)
-  LdCursor prod{{0, 0, 0, 0}, 0u};
-  ld_enter<T, kDyn>(prod, a, warp_id, warp_id, lane);
-  uint4 next[kLdSlices];
-  load_step(next, prod.cur, a, lane);
+  // The warp's first step: weights only, so before the PDL wait.
+  Cursor prod{0, warp_id, 0, 0};
+  settle(prod, a, warp_id);
+  uint4 next[kStepSlices];
+  load_step(next, prod, a, lane);
   pdl_wait();  // attn and residual are the previous kernels' outputs
-  for (int v = threadIdx.x; v < a.k[0] / 8; v += kLdThreads)
+  for (int v = threadIdx.x; v < a.k[0] / 8; v += kThreads)
     *reinterpret_cast<uint4*>(x_s + 8 * v) = *reinterpret_cast<const uint4*>(a.attn + 8 * v);
-  for (int v = threadIdx.x; v < a.hidden / 8; v += kLdThreads)
+  for (int v = threadIdx.x; v < a.hidden / 8; v += kThreads)
     *reinterpret_cast<uint4*>(res_s + 8 * v) = *reinterpret_cast<const uint4*>(a.residual + 8 * v);
   __syncthreads();
   if (stamp) stamps[0] = globaltimer();
 
   int stage = 0;
   float acc0 = 0.f, acc1 = 0.f;  // gate (or the one row), up
-  float sum[2] = {0.f, 0.f};     // two FMA chains over each 16-slice chunk, as the ring
-  while (prod.cur.s < a.num_stages) {
-    const Cursor cur = prod.cur;  // this step; its weights are in `next`
+  float sum[2] = {0.f, 0.f};     // two FMA chains, added up every 4096 columns (two steps)
+  while (prod.s < a.num_stages) {
+    const Cursor cur = prod;  // this step; its weights are in `next`
     for (; stage < cur.s; ) {  // every stage boundary, also those of stages without a unit here
       if (!next_stage(++stage, a, x_s, res_s, stamps, stamp)) return;
     }
-    uint4 now[kLdSlices];
+    uint4 now[kStepSlices];
 #pragma unroll
-    for (int i = 0; i < kLdSlices; ++i) now[i] = next[i];
-    ld_advance<T, kDyn>(prod, a, warp_id, num_warps, lane);
-    load_step(next, prod.cur, a, lane);  // in flight while this step multiplies
-    const int k = a.k[cur.s], nst = chunks_of<kLdSlices>(k);
-    const T* xs = x_s + cur.c * kLdSlices * kSlice + lane * 8;
-    const int n = min(kLdSlices, k / kSlice - cur.c * kLdSlices);
+    for (int i = 0; i < kStepSlices; ++i) now[i] = next[i];
+    advance(prod, a, warp_id, num_warps);
+    load_step(next, prod, a, lane);  // in flight while this step multiplies
+    const int k = a.k[cur.s], nst = steps_of(k);
+    const T* xs = x_s + cur.c * kStepSlices * kSlice + lane * 8;
+    const int n = min(kStepSlices, k / kSlice - cur.c * kStepSlices);
 #pragma unroll
-    for (int i = 0; i < kLdSlices; ++i) {
+    for (int i = 0; i < kStepSlices; ++i) {
       if (i < n && !(a.debug & 2)) {
         const uint4 xv = *reinterpret_cast<const uint4*>(xs + i * kSlice);
         float wf[8], xf[8];
@@ -574,7 +350,7 @@ __global__ void __launch_bounds__(kLdThreads, 1) decode_chain_ld_kernel(const Ch
         for (int e = 0; e < 8; ++e) sum[i & 1] = fmaf(wf[e], xf[e], sum[i & 1]);
       }
     }
-    if ((cur.c & 1) || cur.c == nst - 1) {  // a 16-slice chunk (or the row) is done
+    if ((cur.c & 1) || cur.c == nst - 1) {  // two steps (or the row) done
       if (cur.r == 0) acc0 += sum[0] + sum[1]; else acc1 += sum[0] + sum[1];
       sum[0] = sum[1] = 0.f;
     }
@@ -598,36 +374,18 @@ __global__ void __launch_bounds__(kLdThreads, 1) decode_chain_ld_kernel(const Ch
     if (!grid_barrier(a.barrier, 3, a.debug & 1)) return;
     if (blockIdx.x == 0) build_input(3, a, x_s, res_s);
   }
-  if (kDyn) {  // the last CTA resets the tickets: every draw of this call is done
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t* done = a.barrier + 192;
-      __threadfence();
-      if (atomicAdd(done, 1u) == gridDim.x - 1) {
-        for (int i = 0; i < 4 * kLdWarps; ++i) atomicExch(a.barrier + 512 + 8 * i, 0u);
-        atomicExch(done, 0u);
-      }
-    }
-  }
   if (stamp) stamps[9] = globaltimer();
 }
-#else  // the sm_80 pass: TMA bulk copies are sm_90; the host launches these kernels on sm_90 only
-template <typename T, int S>
-__global__ void __launch_bounds__(kThreads, 1) decode_chain_kernel(const ChainArgs<T> a) {}
-template <typename T, bool kDyn>
-__global__ void __launch_bounds__(kLdThreads, 1) decode_chain_ld_kernel(const ChainArgs<T> a) {}
-#endif
 
-template <typename T>
-size_t smem_bytes(int S, int max_k, int hidden) {
-  return static_cast<size_t>(kWarps) * S * kSlotBytes + (max_k + 7) / 8 * 8 * sizeof(T) +
-         (hidden + 7) / 8 * 8 * sizeof(T);
+// Dynamic shared memory: the stage's input [max_k] and the residual [H], 16-bit values.
+size_t smem_bytes(int64_t max_k, int64_t hidden) {
+  return static_cast<size_t>((max_k + 7) / 8 * 8 + (hidden + 7) / 8 * 8) * 2;
 }
 
-template <typename T, int S>
+template <typename T>
 cudaError_t launch(const ChainArgs<T>& a, int grid, int variant, cudaStream_t stream) {
-  const size_t smem = smem_bytes<T>(S, a.max_k, a.hidden);
-  auto kernel = decode_chain_kernel<T, S>;
+  const size_t smem = smem_bytes(a.max_k, a.hidden);
+  auto kernel = decode_chain_kernel<T>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
   if (attr != cudaSuccess) return attr;
@@ -642,24 +400,6 @@ cudaError_t launch(const ChainArgs<T>& a, int grid, int variant, cudaStream_t st
   return launch_ex(kernel, cfg, a);
 }
 
-template <typename T, bool kDyn>
-cudaError_t launch_ld(const ChainArgs<T>& a, int grid, cudaStream_t stream) {
-  const size_t smem = smem_bytes<T>(0, a.max_k, a.hidden);
-  auto kernel = decode_chain_ld_kernel<T, kDyn>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-  if (attr != cudaSuccess) return attr;
-  LaunchConfig cfg(dim3(grid), dim3(kLdThreads), smem, stream, false, 1);
-  return launch_ex(kernel, cfg, a);
-}
-
-// Ring depth: 3 slots per warp where that fits next to x and the residual, else 2; 0: too big.
-int ring_slots(int64_t max_k, int64_t hidden) {
-  for (int s = 3; s >= 2; --s)
-    if (smem_bytes<__half>(s, static_cast<int>(max_k), static_cast<int>(hidden)) <= kMaxSmem) return s;
-  return 0;
-}
-
 }  // namespace
 
 int64_t decode_chain_workspace_bytes(int64_t hidden, int64_t inter) {
@@ -670,7 +410,7 @@ bool decode_chain_shape_ok(int64_t hidden, int64_t q_dim, int64_t inter) {
   const int64_t dims[] = {hidden, q_dim, inter};
   for (int64_t d : dims)
     if (d <= 0 || d % kSlice != 0 || d > (1 << 20)) return false;
-  return ring_slots(std::max(hidden, std::max(q_dim, inter)), hidden) > 0;
+  return smem_bytes(std::max(hidden, std::max(q_dim, inter)), hidden) <= static_cast<size_t>(kMaxSmem);
 }
 
 cudaError_t decode_chain(void* out, const void* attn, void* residual, const void* o_weight,
@@ -682,9 +422,8 @@ cudaError_t decode_chain(void* out, const void* attn, void* residual, const void
   const DeviceInfo dev = current_device_info();
   if (dev.cc_major != 9 || !decode_chain_shape_ok(hidden, q_dim, inter)) return cudaErrorNotSupported;
   const int64_t max_k = std::max(hidden, std::max(q_dim, inter));
-  const int slots = ring_slots(max_k, hidden);
   const int variant = knob().get();
-  static const int debug = [] {  // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-4 timing (kernel)
+  static const int debug = [] {  // QWEN3_CHAIN_DEBUG: bit 0 a stuck barrier records and returns; 1-3 timing (kernel)
     const char* e = std::getenv("QWEN3_CHAIN_DEBUG");
     return e != nullptr ? std::atoi(e) : 0;
   }();
@@ -717,10 +456,7 @@ cudaError_t decode_chain(void* out, const void* attn, void* residual, const void
     a.act_buf = reinterpret_cast<T*>(base + ws.act);
     a.d_buf = reinterpret_cast<T*>(base + ws.d);
     a.debug = debug;
-    if (variant == kLd) return launch_ld<T, false>(a, dev.num_sms, stream);
-    if (variant == kLdDyn) return launch_ld<T, true>(a, dev.num_sms, stream);
-    return slots == 3 ? launch<T, 3>(a, dev.num_sms, variant, stream)
-                      : launch<T, 2>(a, dev.num_sms, variant, stream);
+    return launch<T>(a, dev.num_sms, variant, stream);
   });
 }
 

@@ -8,7 +8,10 @@ kernel into every layer of the decode graphs (launched with PDL on the model's s
 that issues L2 prefetches of o_proj's weight, of the first gate / up rows, or of a scratch buffer
 nobody reads (the traffic's cost alone), then times `bench_engine.py --batch1`'s loop for each
 setting. Positions: "pre" after the qkv projection, "mid" after qk_norm_rope (before the decode
-attention), "none" the model untouched. The kernel reads its setting from a device buffer, so one
+attention), "none" the model untouched. Two more bound what hiding the attention could give at
+all (no prefetch; wrong tokens, timing only): "skip_attention" runs neither qk_norm_rope nor the
+decode attention (o_proj reads a zero buffer), "skip_decode" runs qk_norm_rope but not the decode
+attention and its combine. The kernel reads its setting from a device buffer, so one
 engine (one graph capture) serves every setting of a position.
 
 Settings (KB of o_proj or scratch, KB of gate rows and of up rows, mode, scratch?): mode 0 one
@@ -141,6 +144,11 @@ def main() -> None:
     def attention_forward(self, positions, x):  # Qwen3Attention.forward with the probe's kernel
         small = x.shape[0] <= 16 and state["pos"] is not None  # decode graphs of a few rows
         qkv = self.qkv_proj(x)
+        if small and state["pos"] == "skip_attention":
+            if getattr(self, "_probe_zeros", None) is None:  # made in the warm-up before capture
+                object.__setattr__(self, "_probe_zeros", torch.zeros(
+                    16, self.num_heads * self.attn.head_dim, dtype=qkv.dtype, device=qkv.device))
+            return self.o_proj(self._probe_zeros[: x.shape[0]])
         if small and state["pos"] == "pre":
             launch(self)
         state["target"] = self if small and state["pos"] == "mid" else None
@@ -155,7 +163,15 @@ def main() -> None:
             launch(state["target"])
         return r
 
+    paged_attention_decode = qwen3_kernels.paged_attention_decode
+
+    def decode_or_skip(q, *a, out=None, **k):
+        if state["pos"] == "skip_decode" and q.shape[0] <= 16:
+            return out  # out keeps whatever it holds
+        return paged_attention_decode(q, *a, out=out, **k)
+
     q3.Qwen3DecoderLayer.__init__ = init
+    qwen3_kernels.paged_attention_decode = decode_or_skip
     q3.Qwen3Attention.forward = attention_forward
     qwen3_kernels.qk_norm_rope = qk_norm_rope_then_prefetch
 
@@ -171,7 +187,7 @@ def main() -> None:
             vocab = llm.config.hf_config.vocab_size
             prompt = random.Random(0).choices(range(min(10000, vocab)), k=128)
             for _ in range(args.reps):
-                for s in SETTINGS if pos != "none" else SETTINGS[:1]:
+                for s in SETTINGS if pos in ("pre", "mid") else SETTINGS[:1]:
                     cfg.copy_(torch.tensor(s, dtype=torch.int32))
                     torch.cuda.synchronize()
                     decode, _ = run_ours_batch1(llm, prompt, 512)

@@ -49,10 +49,10 @@
 // 2 skip the multiply, 4 skip the grid barriers (wrong outputs: timing only); 8 per-CTA globaltimer
 // stamps of every stage (benchmarks/decode_chain_stages.py reads them).
 //
-// Measured (H200, 2026-12-01, thirteenth and fourteenth sessions; benchmarks/RESULTS.md): correct
+// Measured (H200, 2026-12-01, thirteenth to fifteenth sessions; benchmarks/RESULTS.md): correct
 // (FA3 rule at the 0.6B / 8B / 32B sizes, bit-identical across calls, graphs and variants). A
-// Qwen3-8B layer: 110.4-110.8 us against 108.7-109.6 for the six launches it replaces; in the
-// engine at batch 1 (QWEN3_DECODE_CHAIN=1) 217.4-217.7 against 219.7-220.1 decode tok/s without
+// Qwen3-8B layer: 110.4-111.1 us against 108.6-109.6 for the six launches it replaces; in the
+// engine at batch 1 (QWEN3_DECODE_CHAIN=1) 217.1-217.7 against 219.7-220.1 decode tok/s without
 // the chain, so the model runs it only when asked. Earlier forms, all slower and removed: each
 // warp streaming its rows through a ring of 8 KB TMA bulk copies in shared memory (131.2-132.9
 // us; DRAM at 56% of peak by ncu against the GEMV's 78%), and units drawn from atomic ticket

@@ -154,7 +154,6 @@ def test_repeated_calls_graph_and_variants_agree_bitwise(last):
                 other, other_res = run_chain(L, ws)
                 assert torch.equal(other, first) and torch.equal(other_res, first_res), variant
 
-    # a graph of 3 chained calls (the residual carried through), replayed twice
     _graph_of_three(L, ws, first)
     assert ws[:4].view(torch.int32).item() == 0
 

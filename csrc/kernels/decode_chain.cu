@@ -57,8 +57,11 @@
 // warp streaming its rows through a ring of 8 KB TMA bulk copies in shared memory (131.2-132.9
 // us; DRAM at 56% of peak by ncu against the GEMV's 78%), and units drawn from atomic ticket
 // counters instead of the fixed lists (135.7 with the ring, 115.8 with register loads; commits
-// 318d354, fb44ecc). With the GEMV's streaming the chain is at par; what is left is the attention
-// kernels between the chains, during which no weight streams (RESULTS.md).
+// 318d354, fb44ecc); equal unit counts per CTA did not shorten the stages either (fifteenth). With
+// the GEMV's streaming the chain is at par. The attention kernels between the chains stream no
+// weight, but hiding them is not enough: without any attention the engine reaches 235 tok/s
+// (fifteenth session), so the stages themselves must stream faster (their slowest CTA ends 6-15
+// us after the median one; RESULTS.md).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -56,9 +56,13 @@ def free_cuda():
     torch.cuda.empty_cache()
 
 
-def test_cuda_graph_decode_equals_eager_decode(ckpt):
+def test_cuda_graph_decode_equals_eager_decode(ckpt, monkeypatch):
     # 8 requests = a graph bucket, all finishing together: the eager and the graph decode run the
-    # same kernels on the same shapes, so greedy tokens must be identical
+    # same kernels on the same shapes, so greedy tokens must be identical. The graphs capture the
+    # GEMV's pdl_early_late launch (eager keeps the process default): the launch may not change a
+    # bit, and the process-wide choice is back to what it was once they are captured.
+    monkeypatch.delenv("QWEN3_GEMV_VARIANT", raising=False)
+    gemv_before = elementwise_tuning.current("gemv")
     prompts = prompts_of([1, 16, 32, 7, 100, 257, 33, 64])
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(kvcache_block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
@@ -67,6 +71,7 @@ def test_cuda_graph_decode_equals_eager_decode(ckpt):
     llm = LLM(ckpt, gpu_memory_utilization=0.2, **kw)  # KV cache sized from free memory
     runner = llm.model_runner
     assert runner.num_blocks > 100 and 8 in runner.graphs
+    assert elementwise_tuning.current("gemv") == gemv_before
     graph_out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert runner.num_graph_steps >= 30, "decode steps did not replay graphs"
     del llm, runner

@@ -391,7 +391,7 @@ def test_ops_reject_bad_operands_directly(op, div, case, spec, match):
 
 # ---- the GEMV's launch variants (plain, PDL) ---------------------------------------------------
 
-GEMV_LAUNCH_VARIANTS = ["auto", "pdl", "pdl_early"]
+GEMV_LAUNCH_VARIANTS = ["auto", "pdl", "pdl_early", "pdl_late", "pdl_early_late"]
 
 
 @pytest.fixture
@@ -492,7 +492,7 @@ def test_gemv_pdl_orders_after_the_previous_kernel(variant, force, gemv_variant)
         # kernels (not memcpys) writing both operands, the 200 MB weight last; pdl_early loads
         # its first weight bytes before it waits, so its contract is a weight not written by the
         # kernel right before it (a model's weights are not written during a step): x last there
-        if variant == "pdl_early":
+        if variant.startswith("pdl_early"):
             torch.mul(w1_new, 1.0, out=w1)
             torch.mul(x_new, 1.0, out=x)
         else:

@@ -797,18 +797,23 @@ class ModelRunner:
     def _graph_gemv_variant(self):
         """The GEMV launch the decode graphs keep (a graph keeps the variant set at capture).
 
-        Under tensor parallelism 'pdl_early': the GEMV's first weight loads are issued while the
-        all-reduce before it waits for the peer (TP-2 rank shapes 1.8-4.6% faster per step; at
-        TP 1 it was 1-2% slower, so the plain launch stays there; RESULTS.md, fifth and sixth
-        sessions). QWEN3_GEMV_VARIANT, when set, decides instead. Restored after capture: the
-        choice is process-wide and other engines in this process keep theirs.
+        'pdl_early_late' on one GPU: the GEMV's CTAs are scheduled once the kernel before has
+        let them (PDL), load their first weight stage before they wait for it, and let the next
+        kernel be scheduled only after their last store, so its CTAs spread evenly over empty SMs
+        (Qwen3-8B batch 1: 225.8-225.9 decode tok/s against 220.2 with the plain launch;
+        RESULTS.md, seventeenth session). Under tensor parallelism 'pdl_early' (the trigger at
+        the start; TP-2 rank shapes 1.8-4.6% faster per step than the plain launch, fifth and
+        sixth sessions); the late trigger is not yet measured there. QWEN3_GEMV_VARIANT, when
+        set, decides instead. Restored after capture: the choice is process-wide and other
+        engines in this process keep theirs. Both variants read the weight before the wait,
+        which is safe because no kernel of a step writes a weight.
         """
         from qwen3_kernels import elementwise_tuning
 
-        if (self.world_size > 1 and "QWEN3_GEMV_VARIANT" not in os.environ
-                and elementwise_tuning.available()):
-            return elementwise_tuning.variant("gemv", "pdl_early")
-        return contextlib.nullcontext()
+        if "QWEN3_GEMV_VARIANT" in os.environ or not elementwise_tuning.available():
+            return contextlib.nullcontext()
+        return elementwise_tuning.variant(
+            "gemv", "pdl_early" if self.world_size > 1 else "pdl_early_late")
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

@@ -39,6 +39,19 @@
 //         engine (sixth session) 357.6 / 357.6 tok/s against 344.6 / 344.9 plain, so the engine's
 //         decode graphs capture it under tensor parallelism (model_runner._graph_gemv_variant);
 //         the process default stays the plain launch.
+//   pdl_late   pdl, with the trigger (launch_dependents) after the CTA's last store instead of
+//         right after the wait. Triggered at the start, the next kernel's CTAs are placed as soon
+//         as all of ours have started, into whatever slots our first CTAs to finish free: when the
+//         two grids together exceed the SMs' slots they pile up on those SMs (up to 9 a SM where 4
+//         would be even), and the kernel waits for its most loaded SM. That is why pdl measured
+//         slower (Qwen3-8B qkv back to back: pdl 18.6 us, plain 14.6-14.8, pdl_late 14.1-14.3).
+//         Triggered last, the next CTAs are placed on SMs that are all about empty, and still
+//         before our grid has been torn down.
+//   pdl_early_late  pdl_early's early weight loads with pdl_late's trigger. Measured (H200,
+//         2026-12-02, seventeenth session, bench_engine.py --size 8B --batch1, alternating):
+//         pdl_early_late 225.8 / 225.9, pdl_late 225.5 / 225.6, plain 220.0-220.2 decode tok/s;
+//         the engine's one-GPU decode graphs capture pdl_early_late
+//         (model_runner._graph_gemv_variant). Not yet measured under tensor parallelism.
 // Measured (benchmarks/decode_step.py, H200, 2026-11-30, graph replay of a whole Qwen3-8B decode
 // step at batch 1, two calls): pdl 2.6-3.0% slower than a plain launch at TP 1, 0.4-1.6% faster on
 // one TP-2 rank's shapes, i.e. within that benchmark's noise; asking L2 for the first 16 / 64 KB
@@ -60,8 +73,9 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kLoadsPerStage = 4;         // 16-byte weight loads per thread per pipeline stage
 constexpr int kSlice = 32 * 8;            // columns one warp covers with one 16-byte load per lane
 
-enum Variant { kAuto, kPdl, kPdlEarly, kNumVariants };
-constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "pdl_early"};
+enum Variant { kAuto, kPdl, kPdlEarly, kPdlLate, kPdlEarlyLate, kNumVariants };
+constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "pdl_early", "pdl_late",
+                                                     "pdl_early_late"};
 
 VariantKnob<kNumVariants>& knob() {
   static VariantKnob<kNumVariants> k("QWEN3_GEMV_VARIANT", kVariantNames);
@@ -100,7 +114,8 @@ __device__ __forceinline__ void store_packet_sys(char* p, uint64_t v) {
 }
 
 // Grid ceil(n / (4 R)) CTAs of 4 warps; warp w of CTA b owns rows (4 b + w) R .. + R - 1.
-// kPdl: launched with PDL; nothing is read before the previous kernel has finished.
+// kPdl: launched with PDL; nothing is read before the previous kernel has finished, except with
+// kEarly the first stage of weight. kLate: the next kernel is let in after our stores, not at once.
 // kSilu (linear_silu_and_mul): w is [gate; up], n = 2 I rows, out is [m, I] = silu(g) * u. A warp
 // owns P = R / 2 output columns j0 .. j0 + P - 1 and streams gate rows j0.. and up rows I + j0..,
 // so both factors of an output meet in one warp's registers and the [m, 2 I] product is never
@@ -109,7 +124,8 @@ __device__ __forceinline__ void store_packet_sys(char* p, uint64_t v) {
 // R / 2 packets, into slot `rank` of the peers' receive buffers, flagged with the all-reduce's
 // next call. The count is read after the PDL wait: the kernel before has finished, and with it
 // every earlier all-reduce (each advanced the count before it finished).
-template <typename T, int NT, int R, bool kPdl, bool kSilu, bool kEarly = false, bool kPush = false>
+template <typename T, int NT, int R, bool kPdl, bool kSilu, bool kEarly = false, bool kPush = false,
+          bool kLate = false>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(T* __restrict__ out,        // [m, n], or [m, n / 2] (kSilu)
                 const T* __restrict__ x,    // [m, k], m <= NT
@@ -125,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
 
   if constexpr (kPdl && !kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input
-    pdl_launch_dependents();
+    if constexpr (!kLate) pdl_launch_dependents();
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_out = kSilu ? n / 2 : n;
@@ -154,7 +170,7 @@ __global__ void __launch_bounds__(kThreads)
   load_stage<T, R, U>(cur, rows, 0, lane_col, k);
   if constexpr (kPdl && kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input; the weight is neither
-    pdl_launch_dependents();
+    if constexpr (!kLate) pdl_launch_dependents();
   }
   for (int kk = 0; kk < k; kk += kStep) {
     // the next stage in flight while this one is multiplied
@@ -224,6 +240,10 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+  // kLate: the next PDL kernel is scheduled only once every CTA got here, so its CTAs find the
+  // SMs nearly empty and spread evenly (triggered at the start, they take the slots our first
+  // CTAs to finish free, piling up there).
+  if constexpr (kPdl && kLate) pdl_launch_dependents();
 }
 
 template <typename T, int NT, int R, bool kSilu, bool kPush = false>
@@ -232,14 +252,18 @@ cudaError_t launch(const Problem& p, PushTarget push = {}) {
   const int64_t n_out = kSilu ? p.n / 2 : p.n;
   const dim3 grid(static_cast<unsigned>((n_out + cols_per_cta - 1) / cols_per_cta));
   const int variant = knob().get();
-  const bool pdl = (variant == kPdl || variant == kPdlEarly) && current_device_info().cc_major >= 9;
   T* out = static_cast<T*>(p.out);
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  if (pdl) {  // the two PDL kernels differ only in where the wait sits
-    auto* kernel = variant == kPdlEarly ? gemv_kernel<T, NT, R, true, kSilu, true, kPush>
-                                        : gemv_kernel<T, NT, R, true, kSilu, false, kPush>;
+  const bool pdl = variant != kAuto && current_device_info().cc_major >= 9;
+  if (pdl) {  // the PDL kernels differ only in where the wait and the trigger sit
+    const bool early = variant == kPdlEarly || variant == kPdlEarlyLate;
+    const bool late = variant == kPdlLate || variant == kPdlEarlyLate;
+    auto* kernel = early ? (late ? gemv_kernel<T, NT, R, true, kSilu, true, kPush, true>
+                                 : gemv_kernel<T, NT, R, true, kSilu, true, kPush>)
+                         : (late ? gemv_kernel<T, NT, R, true, kSilu, false, kPush, true>
+                                 : gemv_kernel<T, NT, R, true, kSilu, false, kPush>);
     return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, m, n, k, push);
   }
   gemv_kernel<T, NT, R, false, kSilu, false, kPush><<<grid, kThreads, 0, p.stream>>>(

@@ -800,7 +800,7 @@ class ModelRunner:
         'pdl_early_late' on one GPU: the GEMV's CTAs are scheduled once the kernel before has
         let them (PDL), load their first weight stage before they wait for it, and let the next
         kernel be scheduled only after their last store, so its CTAs spread evenly over empty SMs
-        (Qwen3-8B batch 1: 225.8-225.9 decode tok/s against 220.2 with the plain launch;
+        (Qwen3-8B batch 1: 225.8-226.0 decode tok/s against 220.0-220.2 plain;
         RESULTS.md, seventeenth session). Under tensor parallelism 'pdl_early' (the trigger at
         the start; TP-2 rank shapes 1.8-4.6% faster per step than the plain launch, fifth and
         sixth sessions); the late trigger is not yet measured there. QWEN3_GEMV_VARIANT, when

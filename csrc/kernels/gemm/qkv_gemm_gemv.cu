@@ -42,9 +42,10 @@
 //   pdl_late   pdl, with the trigger (launch_dependents) after the CTA's last store instead of
 //         right after the wait. Triggered at the start, the next kernel's CTAs are placed as soon
 //         as all of ours have started, into whatever slots our first CTAs to finish free: when the
-//         two grids together exceed the SMs' slots they pile up on those SMs (up to 9 a SM where 4
-//         would be even), and the kernel waits for its most loaded SM. That is why pdl measured
-//         slower (Qwen3-8B qkv back to back: pdl 18.6 us, plain 14.6-14.8, pdl_late 14.1-14.3).
+//         two grids together exceed the SMs' slots they pile up on those SMs, and the kernel waits
+//         for its most loaded SM (counted for the decode_chain flow kernel: 0 to 9 CTAs an SM where
+//         4 would be even; not counted for the GEMV, but the late trigger removes pdl's loss:
+//         Qwen3-8B qkv back to back pdl 18.6 us, plain 14.6-14.8, pdl_late 14.1-14.3).
 //         Triggered last, the next CTAs are placed on SMs that are all about empty, and still
 //         before our grid has been torn down.
 //   pdl_early_late  pdl_early's early weight loads with pdl_late's trigger. Measured (H200,

@@ -389,25 +389,38 @@ def test_ops_reject_bad_operands_directly(op, div, case, spec, match):
     assert torch.equal(out.isnan(), before.isnan())  # nothing written
 
 
-# ---- the GEMV's launch variants (plain, PDL) ---------------------------------------------------
+# ---- the GEMV's launch variants (plain, PDL) and weight loads (L2 hint) -------------------------
 
 GEMV_LAUNCH_VARIANTS = ["auto", "pdl", "pdl_early", "pdl_late", "pdl_early_late"]
+GEMV_LOADS = ["auto", "l2_256b"]
+
+
+def _knob_fixture(op):
+    from qwen3_kernels import elementwise_tuning as et
+
+    before = et.current(op)
+    yield lambda name: et.select(op, name)
+    et.select(op, before)
 
 
 @pytest.fixture
 def gemv_variant():
-    from qwen3_kernels import elementwise_tuning as et
-
-    before = et.current("gemv")
-    yield lambda name: et.select("gemv", name)
-    et.select("gemv", before)
+    yield from _knob_fixture("gemv")
 
 
+@pytest.fixture
+def gemv_loads():
+    yield from _knob_fixture("gemv_loads")
+
+
+@pytest.mark.parametrize("loads", GEMV_LOADS)
 @pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
-@pytest.mark.parametrize("t,n,k", [(1, 6144, 4096), (3, 4104, 200), (8, 72, 25600), (1, 8, 8)])
-def test_qkv_gemm_gemv_launch_variants(variant, t, n, k, force, gemv_variant):
+@pytest.mark.parametrize("t,n,k", [(1, 6144, 4096), (1, 4096, 12288), (3, 4104, 200), (8, 72, 25600),
+                                   (1, 8, 8)])
+def test_qkv_gemm_gemv_launch_variants(variant, loads, t, n, k, force, gemv_variant, gemv_loads):
     force("gemv")
     gemv_variant(variant)
+    gemv_loads(loads)
     x, w = _inputs(t, n, k, torch.bfloat16, seed=t + n + k)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
@@ -463,9 +476,11 @@ def test_linear_silu_and_mul(t, two_i, k, dtype):
     assert buf[:pad].isnan().all() and buf[pad + t * i :].isnan().all()
 
 
+@pytest.mark.parametrize("loads", GEMV_LOADS)
 @pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
-def test_linear_silu_and_mul_launch_variants(variant, gemv_variant):
+def test_linear_silu_and_mul_launch_variants(variant, loads, gemv_variant, gemv_loads):
     gemv_variant(variant)
+    gemv_loads(loads)
     for t, two_i, k in ((1, 24576, 4096), (5, 4104, 200), (1, 12288, 4096)):
         x, w = _inputs(t, two_i, k, torch.bfloat16, seed=t)
         out = torch.full((t, two_i // 2), float("nan"), device="cuda", dtype=torch.bfloat16)

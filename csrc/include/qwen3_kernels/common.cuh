@@ -50,13 +50,23 @@ __device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
-// 16 bytes of a weight streamed once (the GEMVs, decode_chain): read once, never again, so keep it
-// out of L1 and fetch whole 256-byte L2 lines.
+// 16 bytes of a weight streamed once (the GEMVs, decode_chain, split-K): read once, never again,
+// so keep it out of L1. kL2Lines also asks L2 for whole 256-byte lines (.L2::256B); without it L2
+// fetches the 32-byte sectors asked for. The hint costs the GEMV's pattern (a warp's 512 bytes of
+// each of its rows per load) bandwidth: benchmarks/read_probe.cu (H200, 2026-12-02) read Qwen3-8B's
+// gate_up weight with the GEMV's loads and arithmetic in 52.3 us with it, 49.7 us without.
+template <bool kL2Lines = true>
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
+  if constexpr (kL2Lines) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+  }
   return r;
 }
 

@@ -7,8 +7,14 @@
 //   - A lane reads 16 bytes (8 columns) of each row per 256-column slice, so a warp's loads are
 //     512 contiguous bytes per row. A stage is 4 such loads per thread (R rows x 4/R slices), and
 //     the next stage's 4 loads are issued before this stage's FMAs: 4..8 independent 16-byte
-//     loads in flight per thread at all times. The loads bypass L1 (ld.global.nc.L1::no_allocate)
-//     and ask L2 for 256-byte lines; both hints exist on sm_80, so the kernel builds there too.
+//     loads in flight per thread at all times. The loads bypass L1 (ld.global.nc.L1::no_allocate),
+//     which exists on sm_80 too, so the kernel builds there.
+//   - L2 fetches the sectors asked for: asking it for 256-byte lines (.L2::256B, the loads until
+//     2026-12-02; QWEN3_GEMV_LOADS=l2_256b) was slower. Qwen3-8B at one token, 36 layers of
+//     weights rotated, PDL launches as in the engine's graphs (H200, 2026-12-02, us): gate_up +
+//     silu 52.37 -> 50.20, down 26.20 -> 25.63, qkv 14.12 -> 13.51, o_proj 10.26 -> 10.10, a
+//     layer's six launches 106.8 -> 102.5. (One row a warp with 8 loads a stage, faster in
+//     benchmarks/read_probe.cu's plain launches, was far slower there: down 33.5, o_proj 13.8.)
 //   - Many small CTAs (4 warps, 4 * R rows): N / (4 R) = 256..5120 CTAs for the Qwen3 shapes,
 //     several per SM, and the block scheduler balances them dynamically (nothing waits on a wave).
 //   - x is read through L1 with __ldg, not staged in shared memory. It is at most 8 x K bf16
@@ -74,19 +80,27 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kLoadsPerStage = 4;         // 16-byte weight loads per thread per pipeline stage
 constexpr int kSlice = 32 * 8;            // columns one warp covers with one 16-byte load per lane
 
+// The launch (QWEN3_GEMV_VARIANT) and the weight loads' L2 hint (QWEN3_GEMV_LOADS), both read at
+// each launch.
 enum Variant { kAuto, kPdl, kPdlEarly, kPdlLate, kPdlEarlyLate, kNumVariants };
 constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "pdl_early", "pdl_late",
                                                      "pdl_early_late"};
+enum Loads { kSectors, kL2Lines, kNumLoads };
+constexpr const char* kLoadsNames[kNumLoads] = {"auto", "l2_256b"};
 
 VariantKnob<kNumVariants>& knob() {
   static VariantKnob<kNumVariants> k("QWEN3_GEMV_VARIANT", kVariantNames);
+  return k;
+}
+VariantKnob<kNumLoads>& loads_knob() {
+  static VariantKnob<kNumLoads> k("QWEN3_GEMV_LOADS", kLoadsNames);
   return k;
 }
 
 // One stage of weight loads: slice u of row r at columns kk + 256 u + 8 lane .. +7. Columns at or
 // past k (only in the last stage; k % 8 == 0, so a lane's 8 columns are all in or all out) are not
 // read.
-template <typename T, int R, int U>
+template <bool kL2Lines, typename T, int R, int U>
 __device__ __forceinline__ void load_stage(uint4 (&buf)[R][U], const T* const (&rows)[R], int kk,
                                            int lane_col, int k) {
 #pragma unroll
@@ -94,7 +108,7 @@ __device__ __forceinline__ void load_stage(uint4 (&buf)[R][U], const T* const (&
     const int col = kk + u * kSlice + lane_col;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      buf[r][u] = col < k ? load_stream(rows[r] + col) : make_uint4(0, 0, 0, 0);
+      buf[r][u] = col < k ? load_stream<kL2Lines>(rows[r] + col) : make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -115,8 +129,9 @@ __device__ __forceinline__ void store_packet_sys(char* p, uint64_t v) {
 }
 
 // Grid ceil(n / (4 R)) CTAs of 4 warps; warp w of CTA b owns rows (4 b + w) R .. + R - 1.
-// kPdl: launched with PDL; nothing is read before the previous kernel has finished, except with
-// kEarly the first stage of weight. kLate: the next kernel is let in after our stores, not at once.
+// kLaunch (Variant): with PDL (kPdl*) nothing is read before the previous kernel has finished,
+// except with kEarly the first stage of weight; kLate lets the next kernel in after our stores, not
+// at once. kL2Lines: the weight loads ask L2 for 256-byte lines (Loads).
 // kSilu (linear_silu_and_mul): w is [gate; up], n = 2 I rows, out is [m, I] = silu(g) * u. A warp
 // owns P = R / 2 output columns j0 .. j0 + P - 1 and streams gate rows j0.. and up rows I + j0..,
 // so both factors of an output meet in one warp's registers and the [m, 2 I] product is never
@@ -125,13 +140,15 @@ __device__ __forceinline__ void store_packet_sys(char* p, uint64_t v) {
 // R / 2 packets, into slot `rank` of the peers' receive buffers, flagged with the all-reduce's
 // next call. The count is read after the PDL wait: the kernel before has finished, and with it
 // every earlier all-reduce (each advanced the count before it finished).
-template <typename T, int NT, int R, bool kPdl, bool kSilu, bool kEarly = false, bool kPush = false,
-          bool kLate = false>
+template <typename T, int NT, int R, int kLaunch, bool kSilu, bool kPush, bool kL2Lines>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(T* __restrict__ out,        // [m, n], or [m, n / 2] (kSilu)
                 const T* __restrict__ x,    // [m, k], m <= NT
                 const T* __restrict__ w,    // [n, k]
                 int m, int n, int k, PushTarget push) {
+  constexpr bool kWithPdl = kLaunch != kAuto;
+  constexpr bool kEarly = kLaunch == kPdlEarly || kLaunch == kPdlEarlyLate;
+  constexpr bool kLate = kLaunch == kPdlLate || kLaunch == kPdlEarlyLate;
   constexpr int U = kLoadsPerStage / R;  // slices per row per stage
   constexpr int kStep = U * kSlice;      // columns per stage
   constexpr int P = kSilu ? R / 2 : R;   // output columns per warp
@@ -140,7 +157,7 @@ __global__ void __launch_bounds__(kThreads)
   static_assert(!kPush || (NT == 1 && !kSilu && R % 2 == 0 && R <= 4),
                 "kPush: one token, whole packets of two outputs");
 
-  if constexpr (kPdl && !kEarly) {
+  if constexpr (kWithPdl && !kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input
     if constexpr (!kLate) pdl_launch_dependents();
   }
@@ -168,15 +185,15 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
 
   uint4 cur[R][U];
-  load_stage<T, R, U>(cur, rows, 0, lane_col, k);
-  if constexpr (kPdl && kEarly) {
+  load_stage<kL2Lines>(cur, rows, 0, lane_col, k);
+  if constexpr (kWithPdl && kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input; the weight is neither
     if constexpr (!kLate) pdl_launch_dependents();
   }
   for (int kk = 0; kk < k; kk += kStep) {
     // the next stage in flight while this one is multiplied
     uint4 nxt[R][U];
-    load_stage<T, R, U>(nxt, rows, kk + kStep, lane_col, k);
+    load_stage<kL2Lines>(nxt, rows, kk + kStep, lane_col, k);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = kk + u * kSlice;  // column of lane 0
@@ -244,32 +261,40 @@ __global__ void __launch_bounds__(kThreads)
   // kLate: the next PDL kernel is scheduled only once every CTA got here, so its CTAs find the
   // SMs nearly empty and spread evenly (triggered at the start, they take the slots our first
   // CTAs to finish free, piling up there).
-  if constexpr (kPdl && kLate) pdl_launch_dependents();
+  if constexpr (kWithPdl && kLate) pdl_launch_dependents();
 }
 
-template <typename T, int NT, int R, bool kSilu, bool kPush = false>
-cudaError_t launch(const Problem& p, PushTarget push = {}) {
+template <typename T, int NT, int R, bool kSilu, bool kPush, bool kL2Lines>
+cudaError_t launch_loads(const Problem& p, PushTarget push, int variant) {
   const int64_t cols_per_cta = static_cast<int64_t>(kWarps) * (kSilu ? R / 2 : R);
   const int64_t n_out = kSilu ? p.n / 2 : p.n;
   const dim3 grid(static_cast<unsigned>((n_out + cols_per_cta - 1) / cols_per_cta));
-  const int variant = knob().get();
   T* out = static_cast<T*>(p.out);
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  const bool pdl = variant != kAuto && current_device_info().cc_major >= 9;
-  if (pdl) {  // the PDL kernels differ only in where the wait and the trigger sit
-    const bool early = variant == kPdlEarly || variant == kPdlEarlyLate;
-    const bool late = variant == kPdlLate || variant == kPdlEarlyLate;
-    auto* kernel = early ? (late ? gemv_kernel<T, NT, R, true, kSilu, true, kPush, true>
-                                 : gemv_kernel<T, NT, R, true, kSilu, true, kPush>)
-                         : (late ? gemv_kernel<T, NT, R, true, kSilu, false, kPush, true>
-                                 : gemv_kernel<T, NT, R, true, kSilu, false, kPush>);
+  if (current_device_info().cc_major < 9) variant = kAuto;  // PDL is sm_90+
+  // the PDL kernels differ only in where the wait and the trigger sit
+  auto pdl = [&](auto kernel) {
     return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, m, n, k, push);
+  };
+  switch (variant) {
+    case kPdl: return pdl(gemv_kernel<T, NT, R, kPdl, kSilu, kPush, kL2Lines>);
+    case kPdlEarly: return pdl(gemv_kernel<T, NT, R, kPdlEarly, kSilu, kPush, kL2Lines>);
+    case kPdlLate: return pdl(gemv_kernel<T, NT, R, kPdlLate, kSilu, kPush, kL2Lines>);
+    case kPdlEarlyLate: return pdl(gemv_kernel<T, NT, R, kPdlEarlyLate, kSilu, kPush, kL2Lines>);
+    default:
+      gemv_kernel<T, NT, R, kAuto, kSilu, kPush, kL2Lines><<<grid, kThreads, 0, p.stream>>>(
+          out, x, w, m, n, k, push);
+      return cudaGetLastError();
   }
-  gemv_kernel<T, NT, R, false, kSilu, false, kPush><<<grid, kThreads, 0, p.stream>>>(
-      out, x, w, m, n, k, push);
-  return cudaGetLastError();
+}
+
+template <typename T, int NT, int R, bool kSilu, bool kPush = false>
+cudaError_t launch(const Problem& p, PushTarget push = {}) {
+  const int variant = knob().get();
+  return loads_knob().get() == kL2Lines ? launch_loads<T, NT, R, kSilu, kPush, true>(p, push, variant)
+                                        : launch_loads<T, NT, R, kSilu, kPush, false>(p, push, variant);
 }
 
 template <typename T, int NT, bool kSilu>
@@ -387,4 +412,17 @@ QWEN3_TUNING_EXPORT int qwen3_gemv_num_variants() { return qwen3_kernels::qkv_ge
 // The variant's name, or nullptr out of range.
 QWEN3_TUNING_EXPORT const char* qwen3_gemv_variant_name(int v) {
   return qwen3_kernels::qkv_gemm_detail::knob().name(v);
+}
+// The same for the weight loads' L2 hint (QWEN3_GEMV_LOADS: auto = none, l2_256b = 256-byte lines).
+QWEN3_TUNING_EXPORT int qwen3_gemv_loads_set_variant(int v) {
+  return qwen3_kernels::qkv_gemm_detail::loads_knob().set(v);
+}
+QWEN3_TUNING_EXPORT int qwen3_gemv_loads_get_variant() {
+  return qwen3_kernels::qkv_gemm_detail::loads_knob().get();
+}
+QWEN3_TUNING_EXPORT int qwen3_gemv_loads_num_variants() {
+  return qwen3_kernels::qkv_gemm_detail::kNumLoads;
+}
+QWEN3_TUNING_EXPORT const char* qwen3_gemv_loads_variant_name(int v) {
+  return qwen3_kernels::qkv_gemm_detail::loads_knob().name(v);
 }

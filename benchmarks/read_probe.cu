@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/tuning.cuh"
 
 using qwen3_kernels::load_stream;
 using qwen3_kernels::to_float8;
@@ -61,7 +62,9 @@ __device__ __forceinline__ uint4 ld16(const void* p) {
 // this one is consumed. kMath: the GEMV's converts and FMAs against x; otherwise an xor.
 // kPairs: linear_silu_and_mul's rows (w is [gate; up]: a warp streams gate rows j0 .. j0 + R/2 - 1
 // and the up rows n/2 + j0 ..), not R adjacent rows.
-template <int R, int L, int H, bool kMath, bool kPairs = false>
+// kPdl (both probes): launched with PDL as the engine's graphs launch the GEMV (pdl_early_late):
+// the first stage of weight loads before griddepcontrol.wait, launch_dependents after the stores.
+template <int R, int L, int H, bool kMath, bool kPairs = false, bool kPdl = false>
 __global__ void __launch_bounds__(128) gemv_pattern(float* out, const bf16* x, const bf16* w,
                                                     int n, int k) {
   constexpr int U = L / R, kStep = U * 256;
@@ -78,6 +81,7 @@ __global__ void __launch_bounds__(128) gemv_pattern(float* out, const bf16* x, c
   for (int u = 0; u < U; ++u)
 #pragma unroll
     for (int r = 0; r < R; ++r) cur[r][u] = ld16<H>(w + static_cast<int64_t>(row(r)) * k + u * 256 + lc);
+  if constexpr (kPdl) qwen3_kernels::pdl_wait();
   for (int kk = 0; kk < k; kk += kStep) {
     uint4 nxt[R][U];
 #pragma unroll
@@ -114,6 +118,7 @@ __global__ void __launch_bounds__(128) gemv_pattern(float* out, const bf16* x, c
     const float s = warp_sum(acc[r] + static_cast<float>(h & 1u));
     if (lane == r) out[j0 + r] = s;
   }
+  if constexpr (kPdl) qwen3_kernels::pdl_launch_dependents();
 }
 
 // Linear reads: CTA b reads chunks b, b + G, b + 2G, ... of `chunk` bytes (G = gridDim.x); within
@@ -161,7 +166,7 @@ __global__ void __launch_bounds__(128) linear_read(float* out, const uint4* w, i
 // gate rows j0 .. j0 + RB/2 - 1 and up rows n/2 + j0 ..); load l of stage s of thread t is the
 // row's 16 bytes at column 8 (s L 128 + l 128 + t), so a stage is L * 2 KB contiguous of one row,
 // the next stage in flight across row boundaries too. Per-thread sums per row, one CTA reduction.
-template <int RB, int L, int H, bool kPairs>
+template <int RB, int L, int H, bool kPairs, bool kPdl = false>
 __global__ void __launch_bounds__(128) row_linear(float* out, const bf16* x, const bf16* w, int n,
                                                   int k) {
   constexpr int P = kPairs ? RB / 2 : RB;
@@ -182,6 +187,7 @@ __global__ void __launch_bounds__(128) row_linear(float* out, const bf16* x, con
     }
   };
   load(cur, 0, 0);
+  if constexpr (kPdl) qwen3_kernels::pdl_wait();
 #pragma unroll
   for (int r = 0; r < RB; ++r) {
     for (int st = 0; st < spr; ++st) {
@@ -217,6 +223,7 @@ __global__ void __launch_bounds__(128) row_linear(float* out, const bf16* x, con
   }
   __syncthreads();
   if (t < RB) out[row(t)] = part[0][t] + part[1][t] + part[2][t] + part[3][t];
+  if constexpr (kPdl) qwen3_kernels::pdl_launch_dependents();
 }
 
 struct Shape {
@@ -251,40 +258,41 @@ int main(int argc, char** argv) {
     Launch launch;
   };
   std::vector<Variant> variants;
-  auto gemv = [&](auto kernel, int r) {
-    return [=](const void* w, const Shape& s) {
-      kernel<<<(s.n / r + 3) / 4, 128>>>(out, x, static_cast<const bf16*>(w), s.n, s.k);
-    };
+  // pdl: cudaLaunchKernelEx with programmatic stream serialization (the kernel must be a kPdl one)
+  auto go = [&](auto kernel, unsigned grid, bool pdl, const void* w, const Shape& s) {
+    if (pdl) {
+      CHECK(qwen3_kernels::launch_ex(kernel, dim3(grid), dim3(128), cudaStream_t{}, true, 1, out, x,
+                                     static_cast<const bf16*>(w), s.n, s.k));
+    } else {
+      kernel<<<grid, 128>>>(out, x, static_cast<const bf16*>(w), s.n, s.k);
+    }
   };
-  auto pairs = [&](auto kernel, int r) {  // gate_up only: (n / 2) / (r / 2) warps
-    return [=](const void* w, const Shape& s) {
-      kernel<<<(s.n / r + 3) / 4, 128>>>(out, x, static_cast<const bf16*>(w), s.n, s.k);
-    };
+  auto gemv = [&](auto kernel, int r, bool pdl = false) {
+    return [=](const void* w, const Shape& s) { go(kernel, (s.n / r + 3) / 4, pdl, w, s); };
   };
-  auto rows = [&](auto kernel, int p) {  // p output rows a CTA (kPairs: p gate + p up rows)
-    return [=](const void* w, const Shape& s) {
-      kernel<<<s.n / p, 128>>>(out, x, static_cast<const bf16*>(w), s.n, s.k);
-    };
+  auto pairs = [&](auto kernel, int r, bool pdl = false) {  // (n / 2) / (r / 2) warps
+    return [=](const void* w, const Shape& s) { go(kernel, (s.n / r + 3) / 4, pdl, w, s); };
   };
-  // gate_up as linear_silu_and_mul streams it (gate and up rows in one warp): the others' rows
-  // are read the same way (timing only)
-  variants.push_back({"pairs R2 L4 math (now)", pairs(gemv_pattern<2, 4, 0, true, true>, 2)});
-  variants.push_back({"pairs R2 L4 math nc", pairs(gemv_pattern<2, 4, 1, true, true>, 2)});
-  variants.push_back({"rows pairs RB2 L4 nc", rows(row_linear<2, 4, 1, true>, 2)});
-  variants.push_back({"rows pairs RB2 L4", rows(row_linear<2, 4, 0, true>, 2)});
-  variants.push_back({"rows pairs RB4 L4 nc", rows(row_linear<4, 4, 1, true>, 4)});
-  variants.push_back({"rows pairs RB2 L8 nc", rows(row_linear<2, 8, 1, true>, 2)});
+  auto rows = [&](auto kernel, int p, bool pdl = false) {  // n / p CTAs (kPairs: p = RB)
+    return [=](const void* w, const Shape& s) { go(kernel, s.n / p, pdl, w, s); };
+  };
+  // gate_up as linear_silu_and_mul streams it (gate and up rows in one warp; the other shapes'
+  // rows read the same way: timing only), then a CTA reading whole gate and up rows
+  variants.push_back({"pairs R2 L4 nc", pairs(gemv_pattern<2, 4, 1, true, true>, 2)});
+  variants.push_back({"pairs R2 L4 nc pdl", pairs(gemv_pattern<2, 4, 1, true, true, true>, 2, true)});
   variants.push_back({"rows pairs RB8 L4 nc", rows(row_linear<8, 4, 1, true>, 8)});
+  variants.push_back({"rows pairs RB8 L4 nc pdl", rows(row_linear<8, 4, 1, true, true>, 8, true)});
+  variants.push_back({"rows pairs RB4 L4 nc pdl", rows(row_linear<4, 4, 1, true, true>, 4, true)});
+  variants.push_back({"rows pairs RB16 L4 nc pdl", rows(row_linear<16, 4, 1, true, true>, 16, true)});
   // the other projections' rows
-  variants.push_back({"gemv R2 L4 math (now)", gemv(gemv_pattern<2, 4, 0, true>, 2)});
-  variants.push_back({"gemv R2 L4 math nc", gemv(gemv_pattern<2, 4, 1, true>, 2)});
-  variants.push_back({"gemv R1 L8 math nc", gemv(gemv_pattern<1, 8, 1, true>, 1)});
-  variants.push_back({"rows RB1 L4 nc", rows(row_linear<1, 4, 1, false>, 1)});
-  variants.push_back({"rows RB2 L4 nc", rows(row_linear<2, 4, 1, false>, 2)});
-  variants.push_back({"rows RB2 L4", rows(row_linear<2, 4, 0, false>, 2)});
-  variants.push_back({"rows RB4 L4 nc", rows(row_linear<4, 4, 1, false>, 4)});
-  variants.push_back({"rows RB2 L8 nc", rows(row_linear<2, 8, 1, false>, 2)});
-  variants.push_back({"rows RB1 L8 nc", rows(row_linear<1, 8, 1, false>, 1)});
+  variants.push_back({"gemv R2 L4 nc", gemv(gemv_pattern<2, 4, 1, true>, 2)});
+  variants.push_back({"gemv R2 L4 nc pdl", gemv(gemv_pattern<2, 4, 1, true, false, true>, 2, true)});
+  variants.push_back({"gemv R1 L8 nc", gemv(gemv_pattern<1, 8, 1, true>, 1)});
+  variants.push_back({"gemv R1 L8 nc pdl", gemv(gemv_pattern<1, 8, 1, true, false, true>, 1, true)});
+  variants.push_back({"gemv R1 L4 nc pdl", gemv(gemv_pattern<1, 4, 1, true, false, true>, 1, true)});
+  variants.push_back({"rows RB1 L4 nc pdl", rows(row_linear<1, 4, 1, false, true>, 1, true)});
+  variants.push_back({"rows RB4 L4 nc pdl", rows(row_linear<4, 4, 1, false, true>, 4, true)});
+  variants.push_back({"rows RB8 L4 nc pdl", rows(row_linear<8, 4, 1, false, true>, 8, true)});
   auto linear = [&](auto kernel, int l, int64_t chunk, int grid_per_sm) {
     return [=](const void* w, const Shape& s) {
       const int64_t bytes = int64_t{s.n} * s.k * 2;

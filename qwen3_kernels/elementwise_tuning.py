@@ -8,12 +8,13 @@
 What each variant launches is documented at the top of csrc/kernels/activation.cu ("silu"),
 csrc/kernels/norm.cu ("norm"), csrc/kernels/gemm/qkv_gemm_gemv.cu ("gemv": the launch of the
 weight-streaming GEMV behind qkv_gemm at T = 1 and linear_silu_and_mul; "gemv_loads": the L2 hint
-of its weight loads) and csrc/kernels/decode_chain.cu ("chain").
+of its weight loads; "gemv_silu": linear_silu_and_mul's kernel at T = 1) and
+csrc/kernels/decode_chain.cu ("chain").
 The choice is process-wide and applies to launches made after it is set (a CUDA graph keeps what
 was set when it was captured). It lives in the extension (exported C functions found through
 ctypes), so an op pays one relaxed atomic load for it; the environment variables
 QWEN3_SILU_VARIANT / QWEN3_NORM_VARIANT / QWEN3_GEMV_VARIANT / QWEN3_GEMV_LOADS /
-QWEN3_CHAIN_VARIANT (a name or an index) give the initial value.
+QWEN3_GEMV_SILU / QWEN3_CHAIN_VARIANT (a name or an index) give the initial value.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import contextlib
 import ctypes
 import functools
 
-OPS = ("silu", "norm", "gemv", "gemv_loads", "chain")
+OPS = ("silu", "norm", "gemv", "gemv_loads", "gemv_silu", "chain")
 
 
 @functools.lru_cache(maxsize=None)

@@ -413,6 +413,11 @@ def gemv_loads():
     yield from _knob_fixture("gemv_loads")
 
 
+@pytest.fixture
+def gemv_silu():
+    yield from _knob_fixture("gemv_silu")
+
+
 @pytest.mark.parametrize("loads", GEMV_LOADS)
 @pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
 @pytest.mark.parametrize("t,n,k", [(1, 6144, 4096), (1, 4096, 12288), (3, 4104, 200), (8, 72, 25600),
@@ -431,14 +436,15 @@ def test_qkv_gemm_gemv_launch_variants(variant, loads, t, n, k, force, gemv_vari
 
 # (T, 2I, K): the gate_up shapes of 0.6B, 8B and one rank of 8B under TP 2 (4 rows a warp), then
 # odd ones: I not a multiple of the CTA's columns (idle warps), K of one lane, K past any staging
-# limit, partial last stages; T = 9 and 33 take the cuBLAS + silu_and_mul path.
+# limit, partial last stages (at T = 1 the CTA-rows kernel: a row shorter than one stage, rows of
+# several stages with a partial last one); T = 9 and 33 take the cuBLAS + silu_and_mul path.
 GATE_UP_CASES = [
     (t, two_i, k)
     for t in (1, 2, 5, 8)
     for two_i, k in ((6144, 1024), (24576, 4096), (12288, 4096))
 ] + [
     (1, 8, 8), (3, 72, 1032), (4, 4104, 200), (7, 24, 2056), (2, 16392, 264), (3, 8200, 1032),
-    (6, 80, 25600),
+    (6, 80, 25600), (1, 72, 1032), (1, 16392, 264), (1, 80, 25600), (1, 24, 2056),
     (9, 6144, 1024), (33, 72, 1032),
 ]
 
@@ -476,25 +482,30 @@ def test_linear_silu_and_mul(t, two_i, k, dtype):
     assert buf[:pad].isnan().all() and buf[pad + t * i :].isnan().all()
 
 
+@pytest.mark.parametrize("silu", ["auto", "warp_rows"])
 @pytest.mark.parametrize("loads", GEMV_LOADS)
 @pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
-def test_linear_silu_and_mul_launch_variants(variant, loads, gemv_variant, gemv_loads):
+def test_linear_silu_and_mul_launch_variants(variant, loads, silu, gemv_variant, gemv_loads,
+                                             gemv_silu):
     gemv_variant(variant)
     gemv_loads(loads)
-    for t, two_i, k in ((1, 24576, 4096), (5, 4104, 200), (1, 12288, 4096)):
+    gemv_silu(silu)  # at T = 1: the CTA-rows kernel (auto) or gemv_kernel's warp rows
+    for t, two_i, k in ((1, 24576, 4096), (5, 4104, 200), (1, 12288, 4096), (1, 72, 12296)):
         x, w = _inputs(t, two_i, k, torch.bfloat16, seed=t)
         out = torch.full((t, two_i // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
         torch.ops.qwen3_kernels.linear_silu_and_mul(out, x, w)
         _check_silu(x, w, out)
 
 
+@pytest.mark.parametrize("silu", ["auto", "warp_rows"])
 @pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
-def test_gemv_pdl_orders_after_the_previous_kernel(variant, force, gemv_variant):
+def test_gemv_pdl_orders_after_the_previous_kernel(variant, silu, force, gemv_variant, gemv_silu):
     # The PDL GEMVs start while the kernel before them runs: they must still read the x and the
     # weight that kernel writes, and the GEMV after them (started early by their
     # launch_dependents) their finished output. Eager and in a graph.
     force("gemv")
     gemv_variant(variant)
+    gemv_silu(silu)  # the first GEMV: linear_silu_and_mul at one token
     two_i, k = 24576, 4096
     x_new, w1_new = _inputs(1, two_i, k, torch.bfloat16, seed=7)
     _, w2 = _inputs(1, 1032, two_i // 2, torch.bfloat16, seed=8)

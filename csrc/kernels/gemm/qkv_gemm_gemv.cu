@@ -96,6 +96,14 @@ VariantKnob<kNumLoads>& loads_knob() {
   static VariantKnob<kNumLoads> k("QWEN3_GEMV_LOADS", kLoadsNames);
   return k;
 }
+// linear_silu_and_mul at one token (QWEN3_GEMV_SILU): auto = silu_cta_rows_kernel, warp_rows =
+// gemv_kernel as at more tokens.
+enum SiluLayout { kSiluCtaRows, kSiluWarpRows, kNumSiluLayouts };
+constexpr const char* kSiluLayoutNames[kNumSiluLayouts] = {"auto", "warp_rows"};
+VariantKnob<kNumSiluLayouts>& silu_knob() {
+  static VariantKnob<kNumSiluLayouts> k("QWEN3_GEMV_SILU", kSiluLayoutNames);
+  return k;
+}
 
 // One stage of weight loads: slice u of row r at columns kk + 256 u + 8 lane .. +7. Columns at or
 // past k (only in the last stage; k % 8 == 0, so a lane's 8 columns are all in or all out) are not
@@ -297,6 +305,136 @@ cudaError_t launch(const Problem& p, PushTarget push = {}) {
                                         : launch_loads<T, NT, R, kSilu, kPush, false>(p, push, variant);
 }
 
+// linear_silu_and_mul at one token, with the CTA reading whole rows in order ("cta rows"): CTA b
+// owns the outputs j0 = 4 b .. 4 b + 3 and reads gate rows j0 .. j0 + 3 (32 KB contiguous at
+// K = 4096), then up rows I + j0 .. (another 32 KB), each row front to back: load l of stage s of
+// thread t is the row's 16 bytes at column 8 (512 s + 128 l + t), so a stage of the CTA is 8 KB
+// contiguous of one row, and the next stage (of the same row or the next) is in flight while this
+// one is multiplied. Each thread keeps one partial sum per row; one CTA reduction at the end.
+// Against gemv_kernel's warp rows (a warp streams one gate and one up row, 512 bytes of each per
+// load) the GPU's reads at any moment are fewer, longer runs of addresses: Qwen3-8B gate_up
+// (24576 x 4096) 47.3 vs 49.6 us in benchmarks/read_probe.cu (H200, 2026-12-02, PDL launches).
+// x ([1, k]) is read through L1 as in gemv_kernel. The launch variants and loads as gemv_kernel's.
+constexpr int kCtaRowsOut = 4;                 // output columns a CTA
+constexpr int kCtaRows = 2 * kCtaRowsOut;      // weight rows a CTA: its gate rows, then up rows
+
+template <typename T, int kLaunch, bool kL2Lines>
+__global__ void __launch_bounds__(kThreads)
+    silu_cta_rows_kernel(T* __restrict__ out,      // [1, n / 2]
+                         const T* __restrict__ x,  // [1, k]
+                         const T* __restrict__ w,  // [n, k]: [gate; up]
+                         int n, int k) {
+  constexpr bool kWithPdl = kLaunch != kAuto;
+  constexpr bool kEarly = kLaunch == kPdlEarly || kLaunch == kPdlEarlyLate;
+  constexpr bool kLate = kLaunch == kPdlLate || kLaunch == kPdlEarlyLate;
+  constexpr int kStage = kLoadsPerStage * kThreads;  // 16-byte words of a row a stage
+  if constexpr (kWithPdl && !kEarly) {
+    pdl_wait();  // x may be the previous kernel's output, out its input
+    if constexpr (!kLate) pdl_launch_dependents();
+  }
+  const int t = threadIdx.x;
+  const int half = n / 2;                 // I: n % 8 == 0, so I % 4 == 0 and every CTA is full
+  const int j0 = blockIdx.x * kCtaRowsOut;
+  const int words = k / 8;                // 16-byte words a row
+  const int stages = (words + kStage - 1) / kStage;  // a row's stages
+  auto row = [&](int r) {
+    return w + static_cast<int64_t>(r < kCtaRowsOut ? j0 + r : half + j0 + r - kCtaRowsOut) * k;
+  };
+  auto load = [&](uint4(&buf)[kLoadsPerStage], int r, int s) {
+    const T* base = row(r);
+#pragma unroll
+    for (int l = 0; l < kLoadsPerStage; ++l) {
+      const int c = s * kStage + l * kThreads + t;
+      buf[l] = c < words ? load_stream<kL2Lines>(base + 8 * c) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  float acc[kCtaRows];
+  uint4 cur[kLoadsPerStage];
+  load(cur, 0, 0);
+  if constexpr (kWithPdl && kEarly) {
+    pdl_wait();  // x may be the previous kernel's output, out its input; the weight is neither
+    if constexpr (!kLate) pdl_launch_dependents();
+  }
+#pragma unroll
+  for (int r = 0; r < kCtaRows; ++r) {
+    acc[r] = 0.f;
+    for (int s = 0; s < stages; ++s) {
+      // the next stage in flight while this one is multiplied
+      uint4 nxt[kLoadsPerStage];
+      if (s + 1 < stages) {
+        load(nxt, r, s + 1);
+      } else if (r + 1 < kCtaRows) {
+        load(nxt, r + 1, 0);
+      } else {
+#pragma unroll
+        for (int l = 0; l < kLoadsPerStage; ++l) nxt[l] = make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int l = 0; l < kLoadsPerStage; ++l) {
+        const int c = s * kStage + l * kThreads + t;
+        if (c < words) {  // divergent only in a row's last stage
+          float wf[8], xf[8];
+          to_float8<T>(cur[l], wf);
+          to_float8<T>(__ldg(reinterpret_cast<const uint4*>(x) + c), xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
+        }
+      }
+#pragma unroll
+      for (int l = 0; l < kLoadsPerStage; ++l) cur[l] = nxt[l];
+    }
+  }
+  __shared__ float partial[kWarps][kCtaRows];
+#pragma unroll
+  for (int r = 0; r < kCtaRows; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (t % 32 == 0) partial[t / 32][r] = v;
+  }
+  __syncthreads();
+  if (t < kCtaRowsOut) {
+    float g = 0.f, u = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      g += partial[i][t];
+      u += partial[i][kCtaRowsOut + t];
+    }
+    // g and u rounded to T first, as the unfused GEMM's output would be; then silu_and_mul's math
+    g = to_float(from_float<T>(g));
+    u = to_float(from_float<T>(u));
+    out[j0 + t] = from_float<T>(g / (1.0f + __expf(-g)) * u);
+  }
+  if constexpr (kWithPdl && kLate) pdl_launch_dependents();
+}
+
+template <typename T, bool kL2Lines>
+cudaError_t launch_silu_cta_rows_loads(const Problem& p, int variant) {
+  const dim3 grid(static_cast<unsigned>(p.n / 2 / kCtaRowsOut));
+  T* out = static_cast<T*>(p.out);
+  const T* x = static_cast<const T*>(p.x);
+  const T* w = static_cast<const T*>(p.w);
+  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  if (current_device_info().cc_major < 9) variant = kAuto;  // PDL is sm_90+
+  auto pdl = [&](auto kernel) {
+    return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, n, k);
+  };
+  switch (variant) {
+    case kPdl: return pdl(silu_cta_rows_kernel<T, kPdl, kL2Lines>);
+    case kPdlEarly: return pdl(silu_cta_rows_kernel<T, kPdlEarly, kL2Lines>);
+    case kPdlLate: return pdl(silu_cta_rows_kernel<T, kPdlLate, kL2Lines>);
+    case kPdlEarlyLate: return pdl(silu_cta_rows_kernel<T, kPdlEarlyLate, kL2Lines>);
+    default:
+      silu_cta_rows_kernel<T, kAuto, kL2Lines><<<grid, kThreads, 0, p.stream>>>(out, x, w, n, k);
+      return cudaGetLastError();
+  }
+}
+
+template <typename T>
+cudaError_t launch_silu_cta_rows(const Problem& p) {
+  const int variant = knob().get();
+  return loads_knob().get() == kL2Lines ? launch_silu_cta_rows_loads<T, true>(p, variant)
+                                        : launch_silu_cta_rows_loads<T, false>(p, variant);
+}
+
 template <typename T, int NT, bool kSilu>
 cudaError_t launch_for_rows(const Problem& p, int rows_per_warp) {
   switch (rows_per_warp) {
@@ -345,6 +483,9 @@ cudaError_t gemv_gemm(const Problem& p, bool bf16, int rows_per_warp) {
 }
 
 cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp) {
+  if (!gemv_fits(p)) return cudaErrorNotSupported;
+  if (p.m == 1 && rows_per_warp == 0 && silu_knob().get() == kSiluCtaRows)
+    return bf16 ? launch_silu_cta_rows<__nv_bfloat16>(p) : launch_silu_cta_rows<__half>(p);
   // rows per warp by the whole [2 I, K] weight, as for the unfused GEMV; at least one gate + up pair
   if (rows_per_warp == 0) rows_per_warp = gemv_default_rows_per_warp(p.m, p.n);
   if (rows_per_warp < 2) rows_per_warp = 2;
@@ -425,4 +566,18 @@ QWEN3_TUNING_EXPORT int qwen3_gemv_loads_num_variants() {
 }
 QWEN3_TUNING_EXPORT const char* qwen3_gemv_loads_variant_name(int v) {
   return qwen3_kernels::qkv_gemm_detail::loads_knob().name(v);
+}
+// The same for linear_silu_and_mul's kernel at one token (QWEN3_GEMV_SILU: auto = cta rows,
+// warp_rows = gemv_kernel).
+QWEN3_TUNING_EXPORT int qwen3_gemv_silu_set_variant(int v) {
+  return qwen3_kernels::qkv_gemm_detail::silu_knob().set(v);
+}
+QWEN3_TUNING_EXPORT int qwen3_gemv_silu_get_variant() {
+  return qwen3_kernels::qkv_gemm_detail::silu_knob().get();
+}
+QWEN3_TUNING_EXPORT int qwen3_gemv_silu_num_variants() {
+  return qwen3_kernels::qkv_gemm_detail::kNumSiluLayouts;
+}
+QWEN3_TUNING_EXPORT const char* qwen3_gemv_silu_variant_name(int v) {
+  return qwen3_kernels::qkv_gemm_detail::silu_knob().name(v);
 }

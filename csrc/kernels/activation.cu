@@ -328,10 +328,5 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t i
 
 // ---- tuning hooks (C ABI, for qwen3_kernels/elementwise_tuning.py) --------------------------------
 
-// Selects the launch variant of the following silu_and_mul calls; returns the previous index, or
-// -1 (nothing changed) when v is out of range.
-QWEN3_TUNING_EXPORT int qwen3_silu_set_variant(int v) { return qwen3_kernels::knob().set(v); }
-QWEN3_TUNING_EXPORT int qwen3_silu_get_variant() { return qwen3_kernels::knob().get(); }
-QWEN3_TUNING_EXPORT int qwen3_silu_num_variants() { return qwen3_kernels::kNumVariants; }
-// The variant's name, or nullptr out of range.
-QWEN3_TUNING_EXPORT const char* qwen3_silu_variant_name(int v) { return qwen3_kernels::knob().name(v); }
+// The launch variant of the following silu_and_mul calls.
+QWEN3_TUNING_HOOKS(qwen3_silu, qwen3_kernels::knob())

@@ -372,10 +372,5 @@ cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int
 
 // ---- tuning hooks (C ABI, for benchmarks/allreduce_latency.py and the tests) ---------------------
 
-// Selects the launch variant of the following tp_all_reduce calls; returns the previous index, or
-// -1 (nothing changed) when v is out of range.
-QWEN3_TUNING_EXPORT int qwen3_car_set_variant(int v) { return qwen3_kernels::knob().set(v); }
-QWEN3_TUNING_EXPORT int qwen3_car_get_variant() { return qwen3_kernels::knob().get(); }
-QWEN3_TUNING_EXPORT int qwen3_car_num_variants() { return qwen3_kernels::kNumVariants; }
-// The variant's name, or nullptr out of range.
-QWEN3_TUNING_EXPORT const char* qwen3_car_variant_name(int v) { return qwen3_kernels::knob().name(v); }
+// The launch variant of the following tp_all_reduce calls.
+QWEN3_TUNING_HOOKS(qwen3_car, qwen3_kernels::knob())

@@ -465,8 +465,4 @@ cudaError_t decode_chain(void* out, const void* attn, void* residual, const void
 
 }  // namespace qwen3_kernels
 
-QWEN3_TUNING_EXPORT int qwen3_chain_set_variant(int v) { return qwen3_kernels::knob().set(v); }
-QWEN3_TUNING_EXPORT int qwen3_chain_get_variant() { return qwen3_kernels::knob().get(); }
-QWEN3_TUNING_EXPORT int qwen3_chain_num_variants() { return qwen3_kernels::kNumVariants; }
-// The variant's name, or nullptr out of range.
-QWEN3_TUNING_EXPORT const char* qwen3_chain_variant_name(int v) { return qwen3_kernels::knob().name(v); }
+QWEN3_TUNING_HOOKS(qwen3_chain, qwen3_kernels::knob())

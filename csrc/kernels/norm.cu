@@ -318,10 +318,5 @@ cudaError_t fused_add_rms_norm(void* x, void* residual, const void* weight, int6
 
 // ---- tuning hooks (C ABI, for qwen3_kernels/elementwise_tuning.py) --------------------------------
 
-// Selects the launch variant of the following rms_norm / fused_add_rms_norm calls at T < 1024;
-// returns the previous index, or -1 (nothing changed) when v is out of range.
-QWEN3_TUNING_EXPORT int qwen3_norm_set_variant(int v) { return qwen3_kernels::knob().set(v); }
-QWEN3_TUNING_EXPORT int qwen3_norm_get_variant() { return qwen3_kernels::knob().get(); }
-QWEN3_TUNING_EXPORT int qwen3_norm_num_variants() { return qwen3_kernels::kNumVariants; }
-// The variant's name, or nullptr out of range.
-QWEN3_TUNING_EXPORT const char* qwen3_norm_variant_name(int v) { return qwen3_kernels::knob().name(v); }
+// The launch variant of the following rms_norm / fused_add_rms_norm calls at T < 1024.
+QWEN3_TUNING_HOOKS(qwen3_norm, qwen3_kernels::knob())

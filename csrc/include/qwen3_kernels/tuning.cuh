@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace qwen3_kernels {
 
@@ -53,6 +54,7 @@ class VariantKnob {
     return old;
   }
   const char* name(int v) const { return v >= 0 && v < kCount ? names_[v] : nullptr; }
+  static constexpr int count() { return kCount; }
 
  private:
   int parse(const char* s) const {
@@ -138,7 +140,60 @@ cudaError_t launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStrea
   return launch_ex(kernel, LaunchConfig(grid, block, 0, stream, pdl, cluster), args...);
 }
 
+// ---- PDL launch variants ---------------------------------------------------------------------------
+
+// How a weight-streaming kernel (qkv_gemm_gemv.cu) is launched: plainly, or with PDL, optionally
+// reading its weight's first stage before the wait (early: the weight is no kernel's output during
+// a forward) and / or triggering its dependents after its last store rather than at once (late).
+// The kernel takes one as its kLaunch template parameter and reads the flags from
+// LaunchTraits<kLaunch>; launch_pdl_variant instantiates and launches the one asked for.
+enum LaunchVariant {
+  kLaunchPlain, kLaunchPdl, kLaunchPdlEarly, kLaunchPdlLate, kLaunchPdlEarlyLate, kNumLaunchVariants
+};
+
+template <int kLaunch>
+struct LaunchTraits {
+  static_assert(kLaunch >= 0 && kLaunch < kNumLaunchVariants, "a LaunchVariant");
+  static constexpr bool kPdl = kLaunch != kLaunchPlain;
+  static constexpr bool kEarly = kLaunch == kLaunchPdlEarly || kLaunch == kLaunchPdlEarlyLate;
+  static constexpr bool kLate = kLaunch == kLaunchPdlLate || kLaunch == kLaunchPdlEarlyLate;
+};
+
+// Launches kernel_of(std::integral_constant<int, V>{}) (a generic lambda returning the kernel
+// instantiated for variant V) for the run-time variant: with the PDL attribute unless V is plain,
+// and plainly on a device without PDL (before sm_90) or for a variant out of range.
+template <typename KernelOf, typename... Args>
+cudaError_t launch_pdl_variant(KernelOf kernel_of, int variant, dim3 grid, dim3 block,
+                               cudaStream_t stream, Args... args) {
+  if (current_device_info().cc_major < 9) variant = kLaunchPlain;
+  auto go = [&](auto v) {
+    return launch_ex(kernel_of(v), grid, block, stream, decltype(v)::value != kLaunchPlain, 1,
+                     args...);
+  };
+  switch (variant) {
+    case kLaunchPdl: return go(std::integral_constant<int, kLaunchPdl>{});
+    case kLaunchPdlEarly: return go(std::integral_constant<int, kLaunchPdlEarly>{});
+    case kLaunchPdlLate: return go(std::integral_constant<int, kLaunchPdlLate>{});
+    case kLaunchPdlEarlyLate: return go(std::integral_constant<int, kLaunchPdlEarlyLate>{});
+    default: return go(std::integral_constant<int, kLaunchPlain>{});
+  }
+}
+static_assert(kNumLaunchVariants == 5, "launch_pdl_variant's switch lists every variant");
+
 }  // namespace qwen3_kernels
 
 // C hooks that a benchmark or test finds with ctypes in the loaded extension; not the op surface.
 #define QWEN3_TUNING_EXPORT extern "C" __attribute__((visibility("default")))
+
+// The four hooks of one VariantKnob, at global scope (KNOB: an expression naming the knob):
+//   PREFIX_set_variant(v)   selects the variant of the following launches; returns the previous
+//                           index, or -1 (nothing changed) when v is out of range
+//   PREFIX_get_variant()    the current index
+//   PREFIX_num_variants()   how many there are
+//   PREFIX_variant_name(v)  the variant's name, or nullptr out of range
+// qwen3_kernels/elementwise_tuning.py and decode_tuning.py find them by these names.
+#define QWEN3_TUNING_HOOKS(PREFIX, KNOB)                                                      \
+  QWEN3_TUNING_EXPORT int PREFIX##_set_variant(int v) { return (KNOB).set(v); }               \
+  QWEN3_TUNING_EXPORT int PREFIX##_get_variant() { return (KNOB).get(); }                     \
+  QWEN3_TUNING_EXPORT int PREFIX##_num_variants() { return (KNOB).count(); }                  \
+  QWEN3_TUNING_EXPORT const char* PREFIX##_variant_name(int v) { return (KNOB).name(v); }

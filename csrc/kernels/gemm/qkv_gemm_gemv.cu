@@ -80,16 +80,15 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kLoadsPerStage = 4;         // 16-byte weight loads per thread per pipeline stage
 constexpr int kSlice = 32 * 8;            // columns one warp covers with one 16-byte load per lane
 
-// The launch (QWEN3_GEMV_VARIANT) and the weight loads' L2 hint (QWEN3_GEMV_LOADS), both read at
-// each launch.
-enum Variant { kAuto, kPdl, kPdlEarly, kPdlLate, kPdlEarlyLate, kNumVariants };
-constexpr const char* kVariantNames[kNumVariants] = {"auto", "pdl", "pdl_early", "pdl_late",
-                                                     "pdl_early_late"};
+// The launch (QWEN3_GEMV_VARIANT: a LaunchVariant, tuning.cuh) and the weight loads' L2 hint
+// (QWEN3_GEMV_LOADS), both read at each launch.
+constexpr const char* kVariantNames[kNumLaunchVariants] = {"auto", "pdl", "pdl_early", "pdl_late",
+                                                           "pdl_early_late"};
 enum Loads { kSectors, kL2Lines, kNumLoads };
 constexpr const char* kLoadsNames[kNumLoads] = {"auto", "l2_256b"};
 
-VariantKnob<kNumVariants>& knob() {
-  static VariantKnob<kNumVariants> k("QWEN3_GEMV_VARIANT", kVariantNames);
+VariantKnob<kNumLaunchVariants>& knob() {
+  static VariantKnob<kNumLaunchVariants> k("QWEN3_GEMV_VARIANT", kVariantNames);
   return k;
 }
 VariantKnob<kNumLoads>& loads_knob() {
@@ -137,7 +136,7 @@ __device__ __forceinline__ void store_packet_sys(char* p, uint64_t v) {
 }
 
 // Grid ceil(n / (4 R)) CTAs of 4 warps; warp w of CTA b owns rows (4 b + w) R .. + R - 1.
-// kLaunch (Variant): with PDL (kPdl*) nothing is read before the previous kernel has finished,
+// kLaunch (LaunchVariant): with PDL nothing is read before the previous kernel has finished,
 // except with kEarly the first stage of weight; kLate lets the next kernel in after our stores, not
 // at once. kL2Lines: the weight loads ask L2 for 256-byte lines (Loads).
 // kSilu (linear_silu_and_mul): w is [gate; up], n = 2 I rows, out is [m, I] = silu(g) * u. A warp
@@ -154,9 +153,9 @@ __global__ void __launch_bounds__(kThreads)
                 const T* __restrict__ x,    // [m, k], m <= NT
                 const T* __restrict__ w,    // [n, k]
                 int m, int n, int k, PushTarget push) {
-  constexpr bool kWithPdl = kLaunch != kAuto;
-  constexpr bool kEarly = kLaunch == kPdlEarly || kLaunch == kPdlEarlyLate;
-  constexpr bool kLate = kLaunch == kPdlLate || kLaunch == kPdlEarlyLate;
+  constexpr bool kWithPdl = LaunchTraits<kLaunch>::kPdl;
+  constexpr bool kEarly = LaunchTraits<kLaunch>::kEarly;
+  constexpr bool kLate = LaunchTraits<kLaunch>::kLate;
   constexpr int U = kLoadsPerStage / R;  // slices per row per stage
   constexpr int kStep = U * kSlice;      // columns per stage
   constexpr int P = kSilu ? R / 2 : R;   // output columns per warp
@@ -281,21 +280,11 @@ cudaError_t launch_loads(const Problem& p, PushTarget push, int variant) {
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  if (current_device_info().cc_major < 9) variant = kAuto;  // PDL is sm_90+
-  // the PDL kernels differ only in where the wait and the trigger sit
-  auto pdl = [&](auto kernel) {
-    return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, m, n, k, push);
+  auto kernel_of = [](auto v) {
+    return gemv_kernel<T, NT, R, decltype(v)::value, kSilu, kPush, kL2Lines>;
   };
-  switch (variant) {
-    case kPdl: return pdl(gemv_kernel<T, NT, R, kPdl, kSilu, kPush, kL2Lines>);
-    case kPdlEarly: return pdl(gemv_kernel<T, NT, R, kPdlEarly, kSilu, kPush, kL2Lines>);
-    case kPdlLate: return pdl(gemv_kernel<T, NT, R, kPdlLate, kSilu, kPush, kL2Lines>);
-    case kPdlEarlyLate: return pdl(gemv_kernel<T, NT, R, kPdlEarlyLate, kSilu, kPush, kL2Lines>);
-    default:
-      gemv_kernel<T, NT, R, kAuto, kSilu, kPush, kL2Lines><<<grid, kThreads, 0, p.stream>>>(
-          out, x, w, m, n, k, push);
-      return cudaGetLastError();
-  }
+  return launch_pdl_variant(kernel_of, variant, grid, dim3(kThreads), p.stream, out, x, w, m, n, k,
+                            push);
 }
 
 template <typename T, int NT, int R, bool kSilu, bool kPush = false>
@@ -324,9 +313,9 @@ __global__ void __launch_bounds__(kThreads)
                          const T* __restrict__ x,  // [1, k]
                          const T* __restrict__ w,  // [n, k]: [gate; up]
                          int n, int k) {
-  constexpr bool kWithPdl = kLaunch != kAuto;
-  constexpr bool kEarly = kLaunch == kPdlEarly || kLaunch == kPdlEarlyLate;
-  constexpr bool kLate = kLaunch == kPdlLate || kLaunch == kPdlEarlyLate;
+  constexpr bool kWithPdl = LaunchTraits<kLaunch>::kPdl;
+  constexpr bool kEarly = LaunchTraits<kLaunch>::kEarly;
+  constexpr bool kLate = LaunchTraits<kLaunch>::kLate;
   constexpr int kStage = kLoadsPerStage * kThreads;  // 16-byte words of a row a stage
   if constexpr (kWithPdl && !kEarly) {
     pdl_wait();  // x may be the previous kernel's output, out its input
@@ -413,19 +402,8 @@ cudaError_t launch_silu_cta_rows_loads(const Problem& p, int variant) {
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
   const int n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  if (current_device_info().cc_major < 9) variant = kAuto;  // PDL is sm_90+
-  auto pdl = [&](auto kernel) {
-    return launch_ex(kernel, grid, dim3(kThreads), p.stream, true, 1, out, x, w, n, k);
-  };
-  switch (variant) {
-    case kPdl: return pdl(silu_cta_rows_kernel<T, kPdl, kL2Lines>);
-    case kPdlEarly: return pdl(silu_cta_rows_kernel<T, kPdlEarly, kL2Lines>);
-    case kPdlLate: return pdl(silu_cta_rows_kernel<T, kPdlLate, kL2Lines>);
-    case kPdlEarlyLate: return pdl(silu_cta_rows_kernel<T, kPdlEarlyLate, kL2Lines>);
-    default:
-      silu_cta_rows_kernel<T, kAuto, kL2Lines><<<grid, kThreads, 0, p.stream>>>(out, x, w, n, k);
-      return cudaGetLastError();
-  }
+  auto kernel_of = [](auto v) { return silu_cta_rows_kernel<T, decltype(v)::value, kL2Lines>; };
+  return launch_pdl_variant(kernel_of, variant, grid, dim3(kThreads), p.stream, out, x, w, n, k);
 }
 
 template <typename T>
@@ -543,41 +521,9 @@ cudaError_t linear_silu_and_mul(void* out, const void* x, const void* w, int64_t
 
 // ---- tuning hooks (C ABI, for the benchmarks) ---------------------------------------------------
 
-// Selects the launch variant of the following GEMV launches; returns the previous index, or -1
-// (nothing changed) when v is out of range.
-QWEN3_TUNING_EXPORT int qwen3_gemv_set_variant(int v) {
-  return qwen3_kernels::qkv_gemm_detail::knob().set(v);
-}
-QWEN3_TUNING_EXPORT int qwen3_gemv_get_variant() { return qwen3_kernels::qkv_gemm_detail::knob().get(); }
-QWEN3_TUNING_EXPORT int qwen3_gemv_num_variants() { return qwen3_kernels::qkv_gemm_detail::kNumVariants; }
-// The variant's name, or nullptr out of range.
-QWEN3_TUNING_EXPORT const char* qwen3_gemv_variant_name(int v) {
-  return qwen3_kernels::qkv_gemm_detail::knob().name(v);
-}
-// The same for the weight loads' L2 hint (QWEN3_GEMV_LOADS: auto = none, l2_256b = 256-byte lines).
-QWEN3_TUNING_EXPORT int qwen3_gemv_loads_set_variant(int v) {
-  return qwen3_kernels::qkv_gemm_detail::loads_knob().set(v);
-}
-QWEN3_TUNING_EXPORT int qwen3_gemv_loads_get_variant() {
-  return qwen3_kernels::qkv_gemm_detail::loads_knob().get();
-}
-QWEN3_TUNING_EXPORT int qwen3_gemv_loads_num_variants() {
-  return qwen3_kernels::qkv_gemm_detail::kNumLoads;
-}
-QWEN3_TUNING_EXPORT const char* qwen3_gemv_loads_variant_name(int v) {
-  return qwen3_kernels::qkv_gemm_detail::loads_knob().name(v);
-}
-// The same for linear_silu_and_mul's kernel at one token (QWEN3_GEMV_SILU: auto = cta rows,
-// warp_rows = gemv_kernel).
-QWEN3_TUNING_EXPORT int qwen3_gemv_silu_set_variant(int v) {
-  return qwen3_kernels::qkv_gemm_detail::silu_knob().set(v);
-}
-QWEN3_TUNING_EXPORT int qwen3_gemv_silu_get_variant() {
-  return qwen3_kernels::qkv_gemm_detail::silu_knob().get();
-}
-QWEN3_TUNING_EXPORT int qwen3_gemv_silu_num_variants() {
-  return qwen3_kernels::qkv_gemm_detail::kNumSiluLayouts;
-}
-QWEN3_TUNING_EXPORT const char* qwen3_gemv_silu_variant_name(int v) {
-  return qwen3_kernels::qkv_gemm_detail::silu_knob().name(v);
-}
+// The launch variant of the following GEMV launches (QWEN3_GEMV_VARIANT), their weight loads' L2
+// hint (QWEN3_GEMV_LOADS: auto = none, l2_256b = 256-byte lines) and linear_silu_and_mul's kernel
+// at one token (QWEN3_GEMV_SILU: auto = cta rows, warp_rows = gemv_kernel).
+QWEN3_TUNING_HOOKS(qwen3_gemv, qwen3_kernels::qkv_gemm_detail::knob())
+QWEN3_TUNING_HOOKS(qwen3_gemv_loads, qwen3_kernels::qkv_gemm_detail::loads_knob())
+QWEN3_TUNING_HOOKS(qwen3_gemv_silu, qwen3_kernels::qkv_gemm_detail::silu_knob())

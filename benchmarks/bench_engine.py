@@ -23,8 +23,12 @@ import argparse
 import gc
 import json
 import random
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +41,82 @@ from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  
 from qwen3_model.sampling_params import SamplingParams  # noqa: E402
 
 H200_READ_TBS = 4.31  # TARGETS.md: read-only reduction over 2 GiB, the practical read ceiling
+
+
+class GpuClocks:
+    """Polls ``nvidia-smi`` for the GPU's SM / memory clocks, power and temperature on a thread
+    while a timed run goes, and tells which GPU it was (its UUID): the same build measured the 8B
+    workload at 9,684-10,072 tok/s on four H200s (RESULTS.md, nineteenth session), and these are
+    what may tell such machines apart. Without CUDA or nvidia-smi it samples nothing."""
+
+    FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu"
+
+    def __init__(self, period_s: float = 0.5, enabled: bool = True):
+        self.period_s = period_s
+        self.enabled = enabled
+        self.samples: list[tuple[float, float, float, float]] = []
+        self.uuid = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    @staticmethod
+    def parse(line: str) -> tuple[float, float, float, float] | None:
+        """'1980, 3201, 512.34, 45' (MHz, MHz, W, C) -> numbers; None for '[N/A]' and the like."""
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            sm, mem, power, temp = (float(p) for p in parts)
+        except ValueError:
+            return None
+        return sm, mem, power, temp
+
+    def __enter__(self) -> "GpuClocks":
+        if not (self.enabled and torch.cuda.is_available() and shutil.which("nvidia-smi")):
+            return self
+        try:  # which GPU this process runs on, as nvidia-smi names it
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        except (AttributeError, RuntimeError):
+            return self  # no UUID from this torch: no samples rather than another GPU's
+        self.uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _poll(self) -> None:
+        cmd = ["nvidia-smi", "-i", self.uuid, f"--query-gpu={self.FIELDS}",
+               "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.SubprocessError):
+                return
+            sample = self.parse(out.strip().splitlines()[0]) if out.strip() else None
+            if sample is not None:
+                self.samples.append(sample)
+            self._stop.wait(self.period_s)
+
+    def summary(self) -> dict | None:
+        """min / median SM clock, median memory clock, median / max power, max temperature."""
+        if not self.samples:
+            return None
+        sm, mem, power, temp = zip(*self.samples)
+        return dict(gpu_uuid=self.uuid, clock_samples=len(sm), sm_mhz_min=min(sm),
+                    sm_mhz_median=statistics.median(sm), mem_mhz_median=statistics.median(mem),
+                    power_w_median=statistics.median(power), power_w_max=max(power),
+                    temp_c_max=max(temp))
+
+    def describe(self) -> str:
+        s = self.summary()
+        if s is None:
+            return ""
+        return (f"  GPU {s['gpu_uuid']} during the run ({s['clock_samples']} samples): SM clock "
+                f"min / median {s['sm_mhz_min']:.0f} / {s['sm_mhz_median']:.0f} MHz, memory "
+                f"{s['mem_mhz_median']:.0f} MHz, power median / max {s['power_w_median']:.0f} / "
+                f"{s['power_w_max']:.0f} W, up to {s['temp_c_max']:.0f} C")
 
 
 def nano_vllm_workload(num_seqs: int = 256, seed: int = 0, max_input_len: int = 1024,
@@ -400,6 +480,8 @@ def main(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="GPUs (one process each); weights bandwidth is then per GPU")
+    p.add_argument("--no-gpu-clocks", action="store_true",
+                   help="do not poll nvidia-smi for the GPU's clocks and power during the run")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument("--allow-reference", action="store_true",
                    help="run on a CUDA device even when the qwen3_kernels extension is not loaded "
@@ -442,7 +524,8 @@ def main(argv=None):
             vocab = llm.config.hf_config.vocab_size
             prompt = random.Random(0).choices(range(min(10000, vocab)), k=128)
             bytes_per_token = weight_bytes_per_token(llm.model_runner.model)
-            decode_tps, e2e_tps = run_ours_batch1(llm, prompt, 512)
+            with GpuClocks(enabled=not args.no_gpu_clocks) as clocks:
+                decode_tps, e2e_tps = run_ours_batch1(llm, prompt, 512)
             llm.close()
             del llm
             free_gpu()
@@ -454,8 +537,10 @@ def main(argv=None):
                   f"{bytes_per_token / 1e9:.2f} GB/token -> {bw:.2f} TB/s = "
                   f"{bw / H200_READ_TBS:.0%} of the {H200_READ_TBS} TB/s read ceiling "
                   f"(roofline {H200_READ_TBS * 1e12 / bytes_per_token:,.0f} tok/s)")
+            if clocks.describe():
+                print(clocks.describe())
             result.update(mode="batch1", decode_tok_s=decode_tps, e2e_tok_s=e2e_tps,
-                          weight_tb_s=bw)
+                          weight_tb_s=bw, **(clocks.summary() or {}))
             if args.baseline == "hf":
                 hf_tps = run_hf_batch1(path, dtype, prompt, 512)
                 print(f"  transformers generate: {hf_tps:,.1f} tok/s; ours / hf = "
@@ -468,7 +553,8 @@ def main(argv=None):
             vocab = llm.config.hf_config.vocab_size
             prompts = [[t % vocab for t in p] for p in prompts]  # only the tiny demo vocab wraps
             timeline = args.timeline and torch.cuda.is_available()
-            seconds, n_out, steps = run_ours_throughput(llm, prompts, max_tokens, timeline)
+            with GpuClocks(enabled=not args.no_gpu_clocks) as clocks:
+                seconds, n_out, steps = run_ours_throughput(llm, prompts, max_tokens, timeline)
             sched = llm.scheduler
             stats = dict(steps=sched.num_steps, preemptions=sched.num_preemptions,
                          partial_prefills=sched.num_partial_prefills)
@@ -479,8 +565,11 @@ def main(argv=None):
             print(f"\n{name}, {args.num_seqs} requests, {sum(map(len, prompts))} prompt tokens, "
                   f"{n_out} output tokens:")
             print(f"  ours: {seconds:.2f} s, {tps:,.0f} output tok/s  ({stats})")
+            if clocks.describe():
+                print(clocks.describe())
             result.update(mode="throughput", num_seqs=args.num_seqs, output_tokens=n_out,
-                          seconds=seconds, tok_s=tps, **stats, **(steps or {}))
+                          seconds=seconds, tok_s=tps, **stats, **(steps or {}),
+                          **(clocks.summary() or {}))
             if args.baseline == "hf" and not torch.cuda.is_available():
                 print("  transformers' continuous batching sizes its cache from GPU memory and "
                       "does not run on CPU: baseline skipped")

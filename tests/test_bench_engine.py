@@ -4,6 +4,7 @@ nothing about the kernels), unless asked to with --allow-reference."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,28 @@ def test_timeline_summary_bins_steps_and_counts_idle(monkeypatch, capsys):
     assert "128" not in t and "192" not in t
     text = capsys.readouterr().out
     assert "| decode 1..16 | 2 |" in text and "| decode 193..256 | 1 |" in text
+
+
+def test_gpu_clocks_parse_and_summary(monkeypatch):
+    bench = _bench_engine()
+    assert bench.GpuClocks.parse("1980, 3201, 512.34, 45") == (1980.0, 3201.0, 512.34, 45.0)
+    assert bench.GpuClocks.parse("1980, 3201, [N/A], 45") is None
+    assert bench.GpuClocks.parse("") is None
+    clocks = bench.GpuClocks()
+    assert clocks.summary() is None and clocks.describe() == ""
+    clocks.uuid = "GPU-x"
+    clocks.samples = [(1980.0, 3201.0, 600.0, 50.0), (1755.0, 3201.0, 700.0, 61.0),
+                      (1980.0, 3201.0, 650.0, 55.0)]
+    s = clocks.summary()
+    assert s == dict(gpu_uuid="GPU-x", clock_samples=3, sm_mhz_min=1755.0, sm_mhz_median=1980.0,
+                     mem_mhz_median=3201.0, power_w_median=650.0, power_w_max=700.0,
+                     temp_c_max=61.0)
+    assert "1755 / 1980 MHz" in clocks.describe() and "650 / 700 W" in clocks.describe()
+
+
+def test_gpu_clocks_without_cuda_samples_nothing(monkeypatch):
+    bench = _bench_engine()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with bench.GpuClocks(period_s=0.01) as clocks:
+        time.sleep(0.05)
+    assert clocks.samples == [] and clocks.summary() is None

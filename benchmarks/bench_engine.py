@@ -46,7 +46,7 @@ H200_READ_TBS = 4.31  # TARGETS.md: read-only reduction over 2 GiB, the practica
 class GpuClocks:
     """Polls ``nvidia-smi`` for the GPU's SM / memory clocks, power and temperature on a thread
     while a timed run goes, and tells which GPU it was (its UUID): the same build measured the 8B
-    workload at 9,684-10,072 tok/s on four H200s (RESULTS.md, nineteenth session), and these are
+    workload at 9,684-10,072 tok/s on five H200s (RESULTS.md, nineteenth session), and these are
     what may tell such machines apart. Without CUDA or nvidia-smi it samples nothing."""
 
     FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu"

@@ -537,7 +537,7 @@ def main(argv=None):
                   f"{bytes_per_token / 1e9:.2f} GB/token -> {bw:.2f} TB/s = "
                   f"{bw / H200_READ_TBS:.0%} of the {H200_READ_TBS} TB/s read ceiling "
                   f"(roofline {H200_READ_TBS * 1e12 / bytes_per_token:,.0f} tok/s)")
-            if clocks.describe():
+            if clocks.samples:
                 print(clocks.describe())
             result.update(mode="batch1", decode_tok_s=decode_tps, e2e_tok_s=e2e_tps,
                           weight_tb_s=bw, **(clocks.summary() or {}))
@@ -565,7 +565,7 @@ def main(argv=None):
             print(f"\n{name}, {args.num_seqs} requests, {sum(map(len, prompts))} prompt tokens, "
                   f"{n_out} output tokens:")
             print(f"  ours: {seconds:.2f} s, {tps:,.0f} output tok/s  ({stats})")
-            if clocks.describe():
+            if clocks.samples:
                 print(clocks.describe())
             result.update(mode="throughput", num_seqs=args.num_seqs, output_tokens=n_out,
                           seconds=seconds, tok_s=tps, **stats, **(steps or {}),

@@ -159,7 +159,8 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.block_size, dtype=args.dtype,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              scheduling_policy=args.scheduling_policy)
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
@@ -475,6 +476,8 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
+                   help="the order waiting requests are admitted in (LLM's scheduling_policy)")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
+                   help="admission order: arrival, or the most max_tokens first (offline batches)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     return p
 
@@ -80,6 +82,7 @@ def engine_kwargs(args) -> dict:
         kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 

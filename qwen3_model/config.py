@@ -13,6 +13,7 @@ _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
 }
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the paged attention kernels support
+SCHEDULING_POLICIES = ("fcfs", "longest_first")
 
 
 @dataclass(slots=True)
@@ -33,6 +34,9 @@ class Config:
     load_format: str = "auto"  # "dummy": random weights, config.json only (benchmarks)
     seed: int = 0  # global RNG (unseeded sampling, dummy weights)
     max_cudagraph_batch_size: int = 512  # decode batches up to this replay CUDA graphs
+    # the order waiting requests are admitted in: "fcfs" (arrival), or "longest_first" (the most
+    # output tokens a request may still produce first: see qwen3_model/engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     # filled in __post_init__
     hf_config: object = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
@@ -68,6 +72,8 @@ class Config:
                 f"LLM: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}), or some decodes could never be scheduled"
             )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            bad("scheduling_policy", f"one of {SCHEDULING_POLICIES}")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", "'auto' or 'dummy'")
         if self.device == "auto":

@@ -38,7 +38,8 @@ def test_help_lists_every_option():
                  "--top-p", "--min-p", "--seed", "--max-tokens", "--min-tokens", "--ignore-eos",
                  "--stop", "--stop-token-id", "--dtype", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
-                 "--enforce-eager", "--no-prefix-caching", "--tensor-parallel-size"]:
+                 "--enforce-eager", "--no-prefix-caching", "--scheduling-policy",
+                 "--tensor-parallel-size"]:
         assert flag in text, flag
 
 
@@ -67,7 +68,7 @@ def test_model_prompts_from_args_and_file_with_chat(ckpt, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
     main(["--model", ckpt, "third", "--prompts-file", str(prompts), "--chat", "--temperature", "0",
-          "--max-tokens", "5", "--ignore-eos", *SMALL])
+          "--max-tokens", "5", "--ignore-eos", "--scheduling-policy", "longest_first", *SMALL])
     out = capsys.readouterr().out
     assert "3 requests" in out and "15 output tokens" in out
     assert "<|im_start|>user\nsecond prompt<|im_end|>" in out  # the chat template applied

@@ -139,6 +139,22 @@ def test_chunked_prefill_gives_the_same_tokens(tied):
     assert llm.scheduler.num_partial_prefills >= sum(-(-n // budget) - 1 for n in lengths)
 
 
+def test_longest_first_with_a_small_budget_gives_the_same_tokens(tied):
+    """scheduling_policy="longest_first": admitted by max_tokens (most first), prompts chunked
+    alongside decodes; every request still gets HF's tokens, returned in request order."""
+    path, cfg, hf = tied
+    llm = LLM(path, kvcache_block_size=BS, max_num_seqs=3, max_num_batched_tokens=12,
+              enable_prefix_caching=False, scheduling_policy="longest_first")
+    lengths, max_tokens = [9, 23, 5, 14, 30], [3, 8, 5, 8, 2]
+    prompts = random_prompts(lengths, cfg.vocab_size, seed=8)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens],
+                        use_tqdm=False)
+    for i, (p, o, m) in enumerate(zip(prompts, outs, max_tokens)):
+        assert o.index == i and o.prompt_token_ids == p
+        assert o.token_ids == hf_greedy(hf, p, m), f"prompt {i}"
+    assert llm.scheduler.num_partial_prefills > 0
+
+
 def test_string_prompts_use_the_checkpoint_tokenizer(llm, tied):
     _, cfg, hf = tied
     tok = llm.tokenizer
@@ -313,6 +329,9 @@ def test_other_request_errors(llm, tied):
         LLM(path, max_num_seq=3)
     with pytest.raises(ValueError, match="LLM: kvcache_block_size must be one of"):
         LLM(path, kvcache_block_size=8)
+    with pytest.raises(ValueError, match=r"LLM: scheduling_policy must be one of \('fcfs', "
+                                         r"'longest_first'\), got 'lifo'"):
+        LLM(path, scheduling_policy="lifo")
     with pytest.raises(ValueError, match="LLM: model must be a checkpoint folder"):
         LLM(path + "/nope")
     small = LLM(path, kvcache_block_size=BS, max_num_seqs=2, max_num_batched_tokens=64,

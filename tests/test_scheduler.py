@@ -6,7 +6,10 @@ schedule (chunks, preemptions, batch mix), every request must end with the same 
 
 from __future__ import annotations
 
+import itertools
 import random
+
+import pytest
 
 from qwen3_model.engine.scheduler import ScheduledBatch, Scheduler
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -19,10 +22,10 @@ def fake_token(seq: Sequence) -> int:
     return (sum(seq.token_ids) * 31 + 7 * len(seq.token_ids)) % 50 + 10
 
 
-def make(num_blocks=64, budget=32, max_seqs=8, max_len=256, eos=(), prefix=True):
+def make(num_blocks=64, budget=32, max_seqs=8, max_len=256, eos=(), prefix=True, policy="fcfs"):
     return Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=max_seqs,
                      max_num_batched_tokens=budget, max_model_len=max_len,
-                     enable_prefix_caching=prefix, eos_token_ids=eos)
+                     enable_prefix_caching=prefix, eos_token_ids=eos, policy=policy)
 
 
 def fake_step(sched: Scheduler, log: list | None = None) -> ScheduledBatch:
@@ -92,11 +95,12 @@ def test_prefill_chunks_and_decodes_share_a_step():
 def test_outputs_do_not_depend_on_the_schedule():
     reqs = random_requests(12)
     expected = [reference_output(p, m) for p, m in reqs]
-    for budget, num_blocks in [(512, 256), (16, 256), (7, 30), (64, 16)]:
-        sched = make(num_blocks=num_blocks, budget=budget, max_seqs=6)
+    for (budget, num_blocks), policy in itertools.product(
+            [(512, 256), (16, 256), (7, 30), (64, 16)], ["fcfs", "longest_first"]):
+        sched = make(num_blocks=num_blocks, budget=budget, max_seqs=6, policy=policy)
         seqs = [Sequence(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in reqs]
         run_all(sched, seqs)
-        assert [s.completion_token_ids for s in seqs] == expected, (budget, num_blocks)
+        assert [s.completion_token_ids for s in seqs] == expected, (budget, num_blocks, policy)
         assert all(s.finish_reason == "length" for s in seqs)
         assert sched.block_manager.num_free_blocks == num_blocks  # everything given back
 
@@ -200,3 +204,62 @@ def test_decodes_are_ordered_longest_context_first():
     while not sched.is_finished():
         fake_step(sched)
     assert [s.completion_token_ids for s in seqs] == outs
+
+
+def _admission_order(policy, max_tokens, max_seqs=2, add_later=()):
+    """seq ids in the order they first get a step, with ``max_seqs`` running at once."""
+    sched = make(budget=64, max_seqs=max_seqs, policy=policy)
+    seqs = [Sequence([i + 1] * 3, SamplingParams(max_tokens=m, ignore_eos=True))
+            for i, m in enumerate(max_tokens)]
+    for s in seqs:
+        sched.add(s)
+    order, steps = [], 0
+    while not sched.is_finished():
+        if steps == 1:
+            for m in add_later:  # arrivals while others run
+                s = Sequence([9] * 3, SamplingParams(max_tokens=m, ignore_eos=True))
+                seqs.append(s)
+                sched.add(s)
+        batch = fake_step(sched)
+        steps += 1
+        order += [seqs.index(s) for s, _ in batch.items() if seqs.index(s) not in order]
+    assert all(s.num_completion_tokens == s.params.max_tokens for s in seqs)
+    return order
+
+
+def test_longest_first_admits_the_most_output_left_first():
+    max_tokens = [3, 9, 5, 9, 1, 7]
+    assert _admission_order("fcfs", max_tokens) == [0, 1, 2, 3, 4, 5]
+    # ties keep their arrival order (1 before 3)
+    assert _admission_order("longest_first", max_tokens) == [1, 3, 5, 2, 0, 4]
+    # a later arrival goes where its max_tokens puts it among those still waiting
+    assert _admission_order("longest_first", max_tokens, add_later=[8]) == [1, 3, 6, 5, 2, 0, 4]
+
+
+def test_longest_first_shortens_an_offline_batch():
+    """The LPT rule: with room for two at a time, one long request and many short ones end in
+    fewer steps when the long one starts first (fcfs starts it last)."""
+    max_tokens = [4] * 6 + [24]
+    steps = {}
+    for policy in ("fcfs", "longest_first"):
+        sched = make(budget=64, max_seqs=2, policy=policy)
+        seqs = [Sequence([i + 1] * 3, SamplingParams(max_tokens=m, ignore_eos=True))
+                for i, m in enumerate(max_tokens)]
+        steps[policy] = run_all(sched, seqs)
+        assert [s.completion_token_ids for s in seqs] == [reference_output([i + 1] * 3, m)
+                                                          for i, m in enumerate(max_tokens)]
+    assert steps["longest_first"] < steps["fcfs"], steps
+
+
+def test_preempted_sequence_is_readmitted_by_its_output_left():
+    sched = make(num_blocks=12, budget=64, max_seqs=4, policy="longest_first")
+    reqs = [(list(range(i, i + 10)), 24 - i) for i in range(4)]
+    seqs = [Sequence(p, SamplingParams(max_tokens=m)) for p, m in reqs]
+    run_all(sched, seqs)
+    assert sched.num_preemptions > 0
+    assert [s.completion_token_ids for s in seqs] == [reference_output(p, m) for p, m in reqs]
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="policy must be 'fcfs' or 'longest_first', got 'lifo'"):
+        make(policy="lifo")

@@ -114,6 +114,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             eos_token_ids=config.eos_token_ids,
+            policy=config.scheduling_policy,
         )
 
     def close(self) -> None:

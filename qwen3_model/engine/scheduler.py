@@ -2,13 +2,24 @@
 
 Each step the scheduler walks the running sequences oldest first: a decoding sequence gets its one
 token, a prefilling one its next chunk (as much as the budget still allows). What budget is left
-then admits waiting sequences, oldest first. So decodes and prefill chunks share one step, a long
+then admits waiting sequences, oldest first (or, under ``policy="longest_first"``, the one that
+may still produce the most output tokens first: below). So decodes and prefill chunks share one step, a long
 prompt never stalls the decodes, and no step exceeds ``max_num_batched_tokens``.
 
 A sequence is admitted only when blocks for all its tokens can be had (after prefix-cache hits).
 When a running sequence needs one more block and none is free, the newest running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 later (its full blocks usually survive in the prefix cache, so that is often cheap).
+
+Longest first: an offline batch (``LLM.generate`` with every request known at once) ends when its
+longest request ends, so starting the requests with the most output tokens to go first shortens
+it (the LPT rule of makespan scheduling). It also makes a small token budget pay: with
+``max_num_batched_tokens`` near the size where a step's GEMMs stop being bound by reading the
+weights (a few hundred tokens at Qwen3-8B on an H200), the short requests' prompts are computed in
+chunks alongside the long requests' decodes, in steps that read every weight anyway, instead of
+in large prefill steps of their own; and they still finish before the longest ones. It orders by
+``max_tokens`` (a bound when EOS can end a request early) and may keep a short request waiting
+behind longer ones, so it is a throughput setting for offline batches, not the default.
 """
 
 from __future__ import annotations
@@ -60,6 +71,11 @@ class ScheduledBatch:
 _context_len = attrgetter("num_computed_tokens")  # a decode's cached keys (its one query sees them)
 
 
+def _output_left(seq: Sequence) -> int:
+    """Tokens ``seq`` may still append (its length limit less what it holds)."""
+    return seq.max_num_tokens - len(seq.token_ids)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -71,7 +87,12 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         eos_token_ids: tuple[int, ...] | list[int] = (),
+        policy: str = "fcfs",
     ):
+        if policy not in ("fcfs", "longest_first"):
+            raise ValueError(f"Scheduler: policy must be 'fcfs' or 'longest_first', got {policy!r}")
+        self.longest_first = policy == "longest_first"
+        self._waiting_sorted = True  # longest_first: whether ``waiting`` is in admission order
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -102,6 +123,7 @@ class Scheduler:
         seq.needs_tokens = bool(seq.stop_ids or p.stop)  # stop strings: the engine ends it
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._waiting_sorted = False
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -158,6 +180,10 @@ class Scheduler:
             budget -= n
             i += 1
 
+        if self.longest_first and not self._waiting_sorted:
+            # (a stable sort: arrival order among equals; once per batch of adds, not per step)
+            self.waiting = deque(sorted(self.waiting, key=_output_left, reverse=True))
+            self._waiting_sorted = True
         # Admitting right after a preemption would just take back the blocks we freed.
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -200,6 +226,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._waiting_sorted = False  # (longest_first: it goes where its output left puts it)
 
     # ---- after the forward ---------------------------------------------------------------------
 

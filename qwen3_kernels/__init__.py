@@ -31,6 +31,7 @@ from .ops import (
     tp_all_reduce_add_rms_norm,
     tp_all_reduce_buffer_bytes,
     tp_gemv_push,
+    trusted_inputs,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "has_cuda_kernels", "linear_silu_and_mul", "paged_attention_decode", "paged_attention_prefill",
     "qk_norm_rope", "qkv_gemm", "reference", "rms_norm", "sample_tokens", "silu_and_mul",
     "tp_all_reduce", "tp_all_reduce_add_rms_norm", "tp_all_reduce_buffer_bytes", "tp_gemv_push",
+    "trusted_inputs",
 ]
 __version__ = "0.1.0"
 

@@ -12,6 +12,7 @@ reference, and each op has a fake impl so ``torch.compile(fullgraph=True)`` trac
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -109,12 +110,37 @@ def cuda_kernels_import_error() -> ImportError | None:
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# Whether the _check_* helpers run (``trusted_inputs`` turns them off for a block).
+_CHECKS = True
+
+
+@contextlib.contextmanager
+def trusted_inputs():
+    """Inside the block the ops skip their tensor checks (types, dims, dtypes, devices, shapes,
+    strides) and launch straight away; the few scalar checks and the reference fallbacks stay.
+
+    For a caller that builds every argument itself from tensors it owns, and whose calls the
+    tests run with the checks on: the engine's eager steps on CUDA. There the checks are ~35
+    helper calls a layer, about a third of the host's time per step (2026-12-02 profile: an
+    eager Qwen3-8B step of ~300 tokens took the host 11 ms for ~10 ms of kernels). Not for
+    anything that takes tensors from users: a wrong shape here is an out-of-bounds access, not
+    a ValueError.
+    """
+    global _CHECKS
+    previous, _CHECKS = _CHECKS, False
+    try:
+        yield
+    finally:
+        _CHECKS = previous
+
 
 def _fail(op: str, msg: str):
     raise ValueError(f"qwen3_kernels.{op}: {msg}")
 
 
 def _check_tensor(op, name, t, *, ndim=None, dtype=None, dtypes=None, device=None, last_contig=True):
+    if not _CHECKS:
+        return
     if not isinstance(t, torch.Tensor):
         _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -130,11 +156,15 @@ def _check_tensor(op, name, t, *, ndim=None, dtype=None, dtypes=None, device=Non
 
 
 def _check_shape(op, name, t, shape):
+    if not _CHECKS:
+        return
     if tuple(t.shape) != tuple(shape):
         _fail(op, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def _check_contiguous(op, name, t):
+    if not _CHECKS:
+        return
     if not t.is_contiguous():
         _fail(op, f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
 
@@ -171,6 +201,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 
 def _check_norm(op, x, weight, eps):
+    if not _CHECKS:
+        return
     _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     _check_tensor(op, "weight", weight, ndim=1, dtype=x.dtype, device=x.device)
     _check_shape(op, "weight", weight, (x.shape[1],))
@@ -210,6 +242,8 @@ def fused_add_rms_norm(
 
 
 def _check_kv_cache(op, k_cache, v_cache, dtype, device):
+    if not _CHECKS:
+        return
     _check_tensor(op, "k_cache", k_cache, ndim=4, dtype=dtype, device=device)
     _check_tensor(op, "v_cache", v_cache, ndim=4, dtype=dtype, device=device)
     _check_contiguous(op, "k_cache", k_cache)
@@ -298,6 +332,8 @@ def decode_workspace(batch: int, num_q_heads: int, head_dim: int, device) -> tor
 
 
 def _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq):
+    if not _CHECKS:
+        return
     _check_tensor(op, "q", q, ndim=3, dtypes=_FLOAT_DTYPES)
     dev, dt = q.device, q.dtype
     _check_kv_cache(op, k_cache, v_cache, dt, dev)

@@ -121,3 +121,22 @@ def test_has_cuda_kernels_is_a_bool():
     assert isinstance(qwen3_kernels.has_cuda_kernels(), bool)
     if not qwen3_kernels.has_cuda_kernels():
         assert qwen3_kernels.cuda_kernels_import_error() is not None
+
+
+def test_trusted_inputs_skips_the_tensor_checks_only_inside_the_block():
+    x, w = torch.randn(3, 8), torch.randn(8)
+    bad_w = w.double()  # a dtype the checks reject
+    with pytest.raises(ValueError, match="weight must be torch.float32, got torch.float64"):
+        qwen3_kernels.rms_norm(x, bad_w, 1e-6)
+    with qwen3_kernels.trusted_inputs():
+        out = qwen3_kernels.rms_norm(x, w, 1e-6)  # a good call still computes the same
+        qwen3_kernels.rms_norm(x, bad_w, 1e-6)  # unchecked: it reaches the reference
+        with qwen3_kernels.trusted_inputs():  # nested: still off after the inner block
+            pass
+        qwen3_kernels.rms_norm(x, bad_w, 1e-6)
+    torch.testing.assert_close(out, ref.rms_norm(x, w, 1e-6))
+    with pytest.raises(ValueError, match="weight must be torch.float32"):
+        qwen3_kernels.rms_norm(x, bad_w, 1e-6)
+    with pytest.raises(RuntimeError, match="boom"), qwen3_kernels.trusted_inputs():
+        raise RuntimeError("boom")
+    assert ops._CHECKS  # restored after an exception too

@@ -86,3 +86,27 @@ def test_gpu_clocks_without_cuda_samples_nothing(monkeypatch):
     with bench.GpuClocks(period_s=0.01) as clocks:
         time.sleep(0.05)
     assert clocks.samples == [] and clocks.summary() is None
+
+
+def _schedule_model():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule_model.py"
+    spec = importlib.util.spec_from_file_location("schedule_model_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_schedule_model_prices_the_real_schedulers_steps():
+    sm = _schedule_model()
+    # the projections cost the same up to ~200 tokens (weight-bound), then grow with the tokens
+    assert sm.step_ms([], [(0, 128)], False) - sm.step_ms([], [(0, 64)], False) < 0.4
+    assert sm.step_ms([], [(0, 512)], False) - sm.step_ms([], [(0, 256)], False) > 4.0
+    # decodes pay for their contexts' K/V
+    assert sm.step_ms([2000] * 8, [], True) > sm.step_ms([100] * 8, [], True)
+    bench = _bench_engine()
+    _, max_tokens = bench.nano_vllm_workload(24)
+    runs = {p: sm.model_workload(p, 320 if p == "longest_first" else 16384, num_seqs=24)
+            for p in ("fcfs", "longest_first")}
+    for r in runs.values():  # the longest request alone needs that many steps
+        assert max(max_tokens) <= r["steps"] <= max(max_tokens) + 40, r
+        assert abs(r["tok_s"] * r["seconds"] - sum(max_tokens)) < 1e-6 * sum(max_tokens)

@@ -13,12 +13,17 @@ import torch
 import qwen3_kernels
 
 
-def _bench_engine():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_engine_under_test", path)
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py as a fresh module (benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_engine():
+    return _benchmark_module("bench_engine")
 
 
 def test_refuses_gpu_without_the_extension(monkeypatch, capsys):
@@ -88,16 +93,8 @@ def test_gpu_clocks_without_cuda_samples_nothing(monkeypatch):
     assert clocks.samples == [] and clocks.summary() is None
 
 
-def _schedule_model():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "schedule_model.py"
-    spec = importlib.util.spec_from_file_location("schedule_model_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_schedule_model_prices_the_real_schedulers_steps():
-    sm = _schedule_model()
+    sm = _benchmark_module("schedule_model")
     # the projections cost the same up to ~200 tokens (weight-bound), then grow with the tokens
     assert sm.step_ms([], [(0, 128)], False) - sm.step_ms([], [(0, 64)], False) < 0.4
     assert sm.step_ms([], [(0, 512)], False) - sm.step_ms([], [(0, 256)], False) > 4.0

@@ -261,5 +261,5 @@ def test_preempted_sequence_is_readmitted_by_its_output_left():
 
 
 def test_unknown_policy_is_rejected():
-    with pytest.raises(ValueError, match="policy must be 'fcfs' or 'longest_first', got 'lifo'"):
+    with pytest.raises(ValueError, match=r"policy must be one of \('fcfs', 'longest_first'\), got 'lifo'"):
         make(policy="lifo")

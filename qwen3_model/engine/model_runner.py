@@ -628,9 +628,9 @@ class ModelRunner:
         if bucket is None:
             set_context(ctx)
             # On CUDA the ops skip their tensor checks here: every argument is the engine's own
-            # (the tests run the same calls checked, on CPU and CUDA), and in a step of a few
-            # hundred tokens the checks were a third of the host's time, the host the step's
-            # bottleneck (qwen3_kernels.trusted_inputs)
+            # (the model's tests and the CPU engine run the same calls checked), and in a step of
+            # a few hundred tokens the checks were a third of the host's time, the host the
+            # step's bottleneck (qwen3_kernels.trusted_inputs)
             try:
                 with qwen3_kernels.trusted_inputs() if self.use_cuda else contextlib.nullcontext():
                     return self.model(input_ids, positions)

@@ -2,9 +2,9 @@
 
 Each step the scheduler walks the running sequences oldest first: a decoding sequence gets its one
 token, a prefilling one its next chunk (as much as the budget still allows). What budget is left
-then admits waiting sequences, oldest first (or, under ``policy="longest_first"``, the one that
-may still produce the most output tokens first: below). So decodes and prefill chunks share one step, a long
-prompt never stalls the decodes, and no step exceeds ``max_num_batched_tokens``.
+then admits waiting sequences, oldest first (under ``policy="longest_first"``: the one that may
+still produce the most output tokens first, below). So decodes and prefill chunks share one step,
+a long prompt never stalls the decodes, and no step exceeds ``max_num_batched_tokens``.
 
 A sequence is admitted only when blocks for all its tokens can be had (after prefix-cache hits).
 When a running sequence needs one more block and none is free, the newest running sequence is
@@ -31,6 +31,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from qwen3_model.config import SCHEDULING_POLICIES
 from qwen3_model.engine.block_manager import BlockManager
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
 
@@ -89,8 +90,8 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         policy: str = "fcfs",
     ):
-        if policy not in ("fcfs", "longest_first"):
-            raise ValueError(f"Scheduler: policy must be 'fcfs' or 'longest_first', got {policy!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.longest_first = policy == "longest_first"
         self._waiting_sorted = True  # longest_first: whether ``waiting`` is in admission order
         self.max_num_seqs = max_num_seqs

@@ -568,11 +568,14 @@ def main(argv=None):
             free_gpu()
             tps = n_out / seconds
             print(f"\n{name}, {args.num_seqs} requests, {sum(map(len, prompts))} prompt tokens, "
-                  f"{n_out} output tokens:")
+                  f"{n_out} output tokens ({args.scheduling_policy}, max_num_batched_tokens "
+                  f"{args.max_num_batched_tokens}):")
             print(f"  ours: {seconds:.2f} s, {tps:,.0f} output tok/s  ({stats})")
             if clocks.samples:
                 print(clocks.describe())
             result.update(mode="throughput", num_seqs=args.num_seqs, output_tokens=n_out,
+                          scheduling_policy=args.scheduling_policy,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
                           seconds=seconds, tok_s=tps, **stats, **(steps or {}),
                           **(clocks.summary() or {}))
             if args.baseline == "hf" and not torch.cuda.is_available():

@@ -107,3 +107,23 @@ def test_schedule_model_prices_the_real_schedulers_steps():
     for r in runs.values():  # the longest request alone needs that many steps
         assert max(max_tokens) <= r["steps"] <= max(max_tokens) + 40, r
         assert abs(r["tok_s"] * r["seconds"] - sum(max_tokens)) < 1e-6 * sum(max_tokens)
+
+
+def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):
+    """The throughput path end to end on CPU (the demo shape, 3 short requests): every request
+    gets its max_tokens, and the printout and the JSON line name the policy and the budget."""
+    import json
+
+    bench = _bench_engine()
+    out_json = tmp_path / "r.json"
+    bench.main(["--size", "demo", "--num-seqs", "3", "--max-input-len", "120",
+                "--max-output-len", "104", "--scheduling-policy", "longest_first",
+                "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-gpu-clocks",
+                "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert "(longest_first, max_num_batched_tokens 64):" in text
+    result = json.loads(out_json.read_text().splitlines()[-1])
+    _, max_tokens = bench.nano_vllm_workload(3, max_input_len=120, max_output_len=104)
+    assert result["output_tokens"] == sum(max_tokens)
+    assert result["scheduling_policy"] == "longest_first" and result["max_num_batched_tokens"] == 64
+    assert result["partial_prefills"] > 0  # 64-token budget: every prompt was chunked

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qwen3_model.config import SCHEDULING_POLICIES  # noqa: E402
 from qwen3_model.llm import LLM  # noqa: E402
 from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  # noqa: E402
 from qwen3_model.sampling_params import SamplingParams  # noqa: E402
@@ -478,7 +479,7 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="the order waiting requests are admitted in (LLM's scheduling_policy)")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

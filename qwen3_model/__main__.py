@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--no-prefix-caching", action="store_true")
+    # (config.SCHEDULING_POLICIES spelled out: importing config loads torch, and --help stays light)
     e.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
                    help="admission order: arrival, or the most max_tokens first (offline batches)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)

@@ -84,3 +84,12 @@ def test_stream_and_bad_arguments(ckpt, capsys):
         main(["--model", ckpt, "hello", "--top-p", "0", *SMALL])
     with pytest.raises(SystemExit, match="give prompts"):
         main(["--model", ckpt, *SMALL])
+
+
+def test_scheduling_policy_choices_are_the_configs():
+    """The CLI spells the policies out (its --help does not import torch): the same as Config's."""
+    from qwen3_model.__main__ import build_parser
+    from qwen3_model.config import SCHEDULING_POLICIES
+
+    action = next(a for a in build_parser()._actions if "--scheduling-policy" in a.option_strings)
+    assert tuple(action.choices) == SCHEDULING_POLICIES

@@ -170,7 +170,10 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
     llm = LLM(path, **kw)
     print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.model_runner.num_blocks} KV "
           f"blocks of {args.block_size} tokens, CUDA graphs for "
-          f"{len(llm.model_runner.graphs)} batch sizes", flush=True)
+          f"{len(llm.model_runner.graphs)} batch sizes"
+          + (f", piecewise graphs for mixed steps of up to {pw.max_tokens} tokens "
+             f"({len(pw.buckets)} buckets, {pw.capture_seconds:.1f} s)"
+             if (pw := llm.model_runner.piecewise) is not None else ""), flush=True)
     return llm
 
 
@@ -564,6 +567,8 @@ def main(argv=None):
             sched = llm.scheduler
             stats = dict(steps=sched.num_steps, preemptions=sched.num_preemptions,
                          partial_prefills=sched.num_partial_prefills)
+            if llm.model_runner.piecewise is not None:
+                stats["piecewise_steps"] = llm.model_runner.piecewise.num_steps
             llm.close()
             del llm, sched
             free_gpu()

@@ -53,8 +53,13 @@ class PagedRunner:
         rows = [self.tables[s] + [self.pad_block] * (width - len(self.tables[s])) for s in sids]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
-    def step(self, prefills: list[tuple[int, list[int]]] = (), decodes: list[tuple[int, int]] = ()):
+    def step(self, prefills: list[tuple[int, list[int]]] = (), decodes: list[tuple[int, int]] = (),
+             split_attention: bool = False):
         """Run one forward. prefills: (seq id, chunk of token ids) each; decodes: (seq id, token id).
+
+        ``split_attention``: as a piecewise CUDA graph step runs it (qwen3_model/engine/piecewise.py):
+        every layer writes q into one shared buffer and leaves its attention to the split hook,
+        which runs ``attend`` on the shared q / output buffers right there.
 
         Returns hidden [T, hidden] and, per prefill then per decode, the row of its last token.
         """
@@ -85,6 +90,12 @@ class PagedRunner:
             dsids = [s for s, _ in decodes]
             ctx.decode_seq_lens = torch.tensor([self.lens[s] for s in dsids], dtype=i32, device=dev)
             ctx.decode_block_tables = self._tables(dsids)
+        if split_attention:
+            a = self.layers[0]
+            ctx.attn_q = torch.full((len(ids), a.num_heads, a.head_dim), float("nan"),
+                                    dtype=self.dtype, device=dev)
+            ctx.attn_out = torch.full_like(ctx.attn_q, float("nan"))
+            ctx.attn_split = lambda layer: layer.attend(ctx.attn_q, ctx.attn_out)
         set_context(ctx)
         try:
             with torch.no_grad():

@@ -112,6 +112,23 @@ def test_chunked_prefill_mixed_with_decode(checkpoints, name):
     assert rel_err(got[last[1]], ref_b[-1]) <= TOL
 
 
+def test_split_attention_step_equals_the_plain_step(checkpoints):
+    """A mixed step run as the piecewise graphs run it (q into one buffer shared by every layer,
+    each layer's attention by ``attend`` at the split) is the plain forward, bit for bit."""
+    path, hf = checkpoints["untied_gqa4_sharded"]
+    ours = load_ours(path)
+    a, b, c = random_prompts(hf.config.vocab_size, [41, 12, 7], seed=8)
+    outs = []
+    for split in (False, True):
+        runner = PagedRunner(ours, num_blocks=16, block_size=16, seed=3)
+        runner.step(prefills=[(0, a[:19]), (1, b[:-1])])
+        hidden, _ = runner.step(prefills=[(0, a[19:]), (2, c)], decodes=[(1, b[-1])],
+                                split_attention=split)
+        outs.append(hidden)
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_greedy_32_tokens_identical_to_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]

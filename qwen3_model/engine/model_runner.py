@@ -152,6 +152,13 @@ class _HostStaging:
             self.events[i].record()
 
 
+# QWEN3_PIECEWISE_TOKENS=N (an experiment, off by default): mixed steps (prompt chunks + decodes)
+# of up to N tokens replay piecewise CUDA graphs, buckets of PIECEWISE_STEP tokens
+# (qwen3_model/engine/piecewise.py).
+PIECEWISE_TOKENS = int(os.environ.get("QWEN3_PIECEWISE_TOKENS", "0"))
+PIECEWISE_STEP = 32
+
+
 @contextlib.contextmanager
 def _prefer_cublaslt(use_cuda: bool):
     """torch's matmuls through cuBLASLt while the model runs (the projections that
@@ -255,6 +262,9 @@ class ModelRunner:
                           stacklevel=2)
         elif not self.enforce_eager:
             self.capture_cudagraph()
+        self.piecewise = None
+        if PIECEWISE_TOKENS and not why_not and not self.enforce_eager:
+            self.capture_piecewise(PIECEWISE_TOKENS)
 
     def _why_no_graphs(self) -> str | None:
         """Graphs need every op on its CUDA kernel: the reference fallbacks sync with the host."""
@@ -625,6 +635,10 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context,
                   bucket: int | None) -> torch.Tensor:
         """-> hidden [T, hidden] (a view of the graph's output buffer when replayed)."""
+        if bucket is None and self.piecewise is not None:
+            pw_bucket = self.piecewise.bucket(input_ids.shape[0])
+            if pw_bucket is not None:
+                return self.piecewise.run(input_ids, positions, ctx, pw_bucket)
         if bucket is None:
             set_context(ctx)
             # On CUDA the ops skip their tensor checks here: every argument is the engine's own
@@ -819,6 +833,21 @@ class ModelRunner:
             return contextlib.nullcontext()
         return elementwise_tuning.variant(
             "gemv", "pdl_early" if self.world_size > 1 else "pdl_early_late")
+
+    def capture_piecewise(self, max_tokens: int) -> None:
+        """Mixed steps of up to ``max_tokens`` tokens (rounded down to the bucket step) replay
+        piecewise CUDA graphs cut at every attention (qwen3_model/engine/piecewise.py)."""
+        from qwen3_model.engine.piecewise import PiecewiseGraphs
+
+        step = PIECEWISE_STEP
+        max_tokens = min(max_tokens, self.config.max_num_batched_tokens) // step * step
+        if max_tokens < step:
+            return
+        self.piecewise = PiecewiseGraphs(
+            self.model, max_tokens, step, self.num_q_heads, self.head_dim,
+            self.config.hf_config.hidden_size, self.config.torch_dtype, self.device)
+        with _prefer_cublaslt(self.use_cuda):
+            self.piecewise.capture(torch.cuda.graph_pool_handle())
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

@@ -48,9 +48,21 @@ class Attention(nn.Module):
             raise RuntimeError("no attention Context is set: call qwen3_model.utils.context.set_context first")
         q = qwen3_kernels.qk_norm_rope(
             qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, self.k_cache, self.v_cache,
-            ctx.slot_mapping, self.num_heads, self.num_kv_heads, self.eps,
+            ctx.slot_mapping, self.num_heads, self.num_kv_heads, self.eps, q_out=ctx.attn_q,
         )  # [T, Hq, D]; K / V of every token are now in the cache
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if ctx.attn_out is None else ctx.attn_out
+        if ctx.attn_split is not None:
+            # a piecewise CUDA graph is being captured: it ends here, and the attention of this
+            # layer runs eagerly between two graph replays (``attend`` on ctx.attn_q / attn_out)
+            ctx.attn_split(self)
+        else:
+            self.attend(q, out)
+        return out.view(q.shape[0], -1)
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """q [T, Hq, D] (normalised, rotated; K / V already cached) -> out [T, Hq, D]: the prefill
+        rows then the decode rows of the step's Context, each part by its own kernel."""
+        ctx = get_context()
         n_pre = ctx.num_prefill_tokens
         if n_pre > 0:
             qwen3_kernels.paged_attention_prefill(
@@ -67,4 +79,3 @@ class Attention(nn.Module):
                 q[n_pre:], self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
                 self.scale, out=out[n_pre:], workspace=ctx.decode_workspace,
             )
-        return out.view(q.shape[0], -1)

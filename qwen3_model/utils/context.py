@@ -10,6 +10,7 @@ A step's flat token batch is laid out prefill first, decode after:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ class Context:
     decode_seq_lens: torch.Tensor | None = None  # [D] int32, including the new token
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
     decode_workspace: torch.Tensor | None = None  # [D, Hq, splits, head_dim + 1] fp32, or None
+    # piecewise CUDA graphs (qwen3_model/engine/piecewise.py): while capturing, every Attention
+    # layer writes q into attn_q, leaves attn_out to its eager ``attend`` between the replays, and
+    # calls attn_split(layer) where the graph must end
+    attn_q: torch.Tensor | None = None  # [T, Hq, D]
+    attn_out: torch.Tensor | None = None  # [T, Hq, D]
+    attn_split: Callable[[object], None] | None = None
 
 
 _CONTEXT = Context()

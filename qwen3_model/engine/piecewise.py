@@ -73,7 +73,10 @@ class PiecewiseGraphs:
         start = time.perf_counter()
         stream = torch.cuda.Stream()
         for n in reversed(self.buckets):
-            self._forward(n, split=lambda layer: None)  # warm-up (lazy inits, autotuning)
+            # warm-up on the capture stream (lazy inits, autotuning, its cuBLAS workspace)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(n, split=lambda layer: None)
             torch.cuda.synchronize()
             graphs, layers = [], []
 

@@ -56,6 +56,17 @@ def free_cuda():
     torch.cuda.empty_cache()
 
 
+def assert_kv_changed_only_at(before: torch.Tensor, after: torch.Tensor, slots: torch.Tensor,
+                              block_size: int) -> None:
+    """The KV cache [2, L, blocks, block_size, Hkv, D] changed nowhere but at ``slots`` [T]
+    (padding rows of a graph write no K / V)."""
+    changed = (after != before).flatten(4).any(-1)  # [2, L, blocks, block_size]
+    slots = slots.long()
+    expect = torch.zeros_like(changed)
+    expect[:, :, slots // block_size, slots % block_size] = True
+    assert not (changed & ~expect).any()
+
+
 def test_cuda_graph_decode_equals_eager_decode(ckpt, monkeypatch):
     # 8 requests = a graph bucket, all finishing together: the eager and the graph decode run the
     # same kernels on the same shapes, so greedy tokens must be identical. The graphs capture the
@@ -105,12 +116,7 @@ def test_padded_graph_rows_do_not_disturb_real_rows(ckpt):
     h_eager = runner.run_model(ids, pos, ctx, None)
     assert torch.isfinite(h_graph).all()
     assert rel_err(h_graph.float(), h_eager.float()) < 2e-2
-    # only the 5 new tokens' slots changed (per layer, K and V)
-    changed = (kv_graph != kv_before).flatten(4).any(-1)  # [2, L, blocks, block_size]
-    slots = ctx.slot_mapping.long()
-    expect = torch.zeros_like(changed)
-    expect[:, :, slots // 16, slots % 16] = True
-    assert not (changed & ~expect).any()
+    assert_kv_changed_only_at(kv_before, kv_graph, ctx.slot_mapping, 16)  # the 5 new tokens
     sched.abort_all()
     del llm, runner, sched
     free_cuda()
@@ -167,11 +173,7 @@ def test_piecewise_mixed_step_equals_the_eager_step(ckpt, monkeypatch):
     runner.piecewise = pw
     assert torch.isfinite(h_pw).all()
     assert rel_err(h_pw.float(), h_eager.float()) < 2e-2
-    changed = (kv_pw != kv_before).flatten(4).any(-1)  # [2, L, blocks, block_size]
-    slots = ctx.slot_mapping.long()
-    expect = torch.zeros_like(changed)
-    expect[:, :, slots // 16, slots % 16] = True
-    assert not (changed & ~expect).any()
+    assert_kv_changed_only_at(kv_before, kv_pw, ctx.slot_mapping, 16)
     sched.abort_all()
     del llm, runner, sched, pw
     free_cuda()

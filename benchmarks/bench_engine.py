@@ -163,7 +163,8 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kvcache_block_size=args.block_size, dtype=args.dtype,
               tensor_parallel_size=args.tensor_parallel_size,
-              scheduling_policy=args.scheduling_policy)
+              scheduling_policy=args.scheduling_policy,
+              max_piecewise_graph_tokens=args.max_piecewise_graph_tokens)
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
@@ -487,6 +488,8 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-piecewise-graph-tokens", type=int, default=512,
+                   help="LLM's max_piecewise_graph_tokens (0: steps with prompt tokens run eagerly)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="GPUs (one process each); weights bandwidth is then per GPU")
     p.add_argument("--no-gpu-clocks", action="store_true",
@@ -575,13 +578,15 @@ def main(argv=None):
             tps = n_out / seconds
             print(f"\n{name}, {args.num_seqs} requests, {sum(map(len, prompts))} prompt tokens, "
                   f"{n_out} output tokens ({args.scheduling_policy}, max_num_batched_tokens "
-                  f"{args.max_num_batched_tokens}):")
+                  f"{args.max_num_batched_tokens}, max_piecewise_graph_tokens "
+                  f"{args.max_piecewise_graph_tokens}):")
             print(f"  ours: {seconds:.2f} s, {tps:,.0f} output tok/s  ({stats})")
             if clocks.samples:
                 print(clocks.describe())
             result.update(mode="throughput", num_seqs=args.num_seqs, output_tokens=n_out,
                           scheduling_policy=args.scheduling_policy,
                           max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
                           seconds=seconds, tok_s=tps, **stats, **(steps or {}),
                           **(clocks.summary() or {}))
             if args.baseline == "hf" and not torch.cuda.is_available():

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-kvcache-blocks", type=int, default=-1, help="-1 = automatic")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--max-piecewise-graph-tokens", type=int, default=512,
+                   help="steps with prompt tokens up to this size replay piecewise CUDA graphs "
+                        "(a multiple of 32; 0 = eager)")
     e.add_argument("--no-prefix-caching", action="store_true")
     # (config.SCHEDULING_POLICIES spelled out: importing config loads torch, and --help stays light)
     e.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
@@ -82,6 +85,7 @@ def engine_kwargs(args) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -14,6 +14,7 @@ _DTYPES = {
 }
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the paged attention kernels support
 SCHEDULING_POLICIES = ("fcfs", "longest_first")
+PIECEWISE_BUCKET = 32  # token-count step of the piecewise graphs (max_piecewise_graph_tokens)
 
 
 @dataclass(slots=True)
@@ -34,6 +35,11 @@ class Config:
     load_format: str = "auto"  # "dummy": random weights, config.json only (benchmarks)
     seed: int = 0  # global RNG (unseeded sampling, dummy weights)
     max_cudagraph_batch_size: int = 512  # decode batches up to this replay CUDA graphs
+    # steps with prompt tokens (prefill chunks + decodes) of up to this many tokens replay
+    # piecewise CUDA graphs cut at each attention (qwen3_model/engine/piecewise.py), in buckets
+    # of PIECEWISE_BUCKET tokens, capped at max_num_batched_tokens; 0: they run eagerly. One GPU
+    # only (tensor parallel runs such steps eagerly).
+    max_piecewise_graph_tokens: int = 512
     # the order waiting requests are admitted in: "fcfs" (arrival), or "longest_first" (the most
     # output tokens a request may still produce first: see qwen3_model/engine/scheduler.py)
     scheduling_policy: str = "fcfs"
@@ -72,6 +78,9 @@ class Config:
                 f"LLM: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}), or some decodes could never be scheduled"
             )
+        v = self.max_piecewise_graph_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v % PIECEWISE_BUCKET:
+            bad("max_piecewise_graph_tokens", f"0 (off) or a positive multiple of {PIECEWISE_BUCKET}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             bad("scheduling_policy", f"one of {SCHEDULING_POLICIES}")
         if self.load_format not in ("auto", "dummy"):

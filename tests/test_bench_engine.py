@@ -121,7 +121,7 @@ def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):
                 "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-gpu-clocks",
                 "--json", str(out_json)])
     text = capsys.readouterr().out
-    assert "(longest_first, max_num_batched_tokens 64):" in text
+    assert "(longest_first, max_num_batched_tokens 64, max_piecewise_graph_tokens 512):" in text
     result = json.loads(out_json.read_text().splitlines()[-1])
     _, max_tokens = bench.nano_vllm_workload(3, max_input_len=120, max_output_len=104)
     assert result["output_tokens"] == sum(max_tokens)

@@ -38,9 +38,20 @@ def test_help_lists_every_option():
                  "--top-p", "--min-p", "--seed", "--max-tokens", "--min-tokens", "--ignore-eos",
                  "--stop", "--stop-token-id", "--dtype", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
-                 "--enforce-eager", "--no-prefix-caching", "--scheduling-policy",
+                 "--enforce-eager", "--max-piecewise-graph-tokens", "--no-prefix-caching",
+                 "--scheduling-policy",
                  "--tensor-parallel-size"]:
         assert flag in text, flag
+
+
+def test_engine_flags_reach_the_engine():
+    from qwen3_model.__main__ import build_parser, engine_kwargs
+
+    kw = engine_kwargs(build_parser().parse_args(
+        ["--model", "m", "--max-piecewise-graph-tokens", "64", "--scheduling-policy",
+         "longest_first", "--max-num-batched-tokens", "320"]))
+    assert kw["max_piecewise_graph_tokens"] == 64 and kw["scheduling_policy"] == "longest_first"
+    assert kw["max_num_batched_tokens"] == 320
 
 
 # The rest runs main() in this process: a subprocess pays the torch + transformers import again.

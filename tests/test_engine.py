@@ -332,6 +332,10 @@ def test_other_request_errors(llm, tied):
     with pytest.raises(ValueError, match=r"LLM: scheduling_policy must be one of \('fcfs', "
                                          r"'longest_first'\), got 'lifo'"):
         LLM(path, scheduling_policy="lifo")
+    for v in (48, -32, True, 64.0):
+        with pytest.raises(ValueError, match="LLM: max_piecewise_graph_tokens must be 0 .off. or "
+                                             "a positive multiple of 32, got"):
+            LLM(path, max_piecewise_graph_tokens=v)
     with pytest.raises(ValueError, match="LLM: model must be a checkpoint folder"):
         LLM(path + "/nope")
     small = LLM(path, kvcache_block_size=BS, max_num_seqs=2, max_num_batched_tokens=64,

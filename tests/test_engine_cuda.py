@@ -142,15 +142,12 @@ def test_full_feature_mix_runs_to_completion(ckpt):
     free_cuda()
 
 
-def test_piecewise_mixed_step_equals_the_eager_step(ckpt, monkeypatch):
+def test_piecewise_mixed_step_equals_the_eager_step(ckpt):
     """One mixed step (two prompt chunks + 5 decodes, 45 tokens) replayed from the 64-token
     piecewise graphs vs run eagerly: the same hidden states up to bf16 GEMM-shape noise, and the
     K / V cache changed only at the step's slots (the 19 padding rows write nowhere)."""
-    from qwen3_model.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "PIECEWISE_TOKENS", 64)
     llm = LLM(ckpt, kvcache_block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=1024, num_kvcache_blocks=256)
+              max_model_len=1024, num_kvcache_blocks=256, max_piecewise_graph_tokens=512)
     runner, sched = llm.model_runner, llm.scheduler
     assert sorted(runner.piecewise.graphs) == [32, 64]
     assert len(runner.piecewise.graphs[64]) == SHAPE["num_hidden_layers"] + 1
@@ -179,12 +176,10 @@ def test_piecewise_mixed_step_equals_the_eager_step(ckpt, monkeypatch):
     free_cuda()
 
 
-def test_piecewise_generate_equals_eager_mixed_steps(stable_ckpt, monkeypatch):
+def test_piecewise_generate_equals_eager_mixed_steps(stable_ckpt):
     """longest_first with a 64-token budget (most steps mix prompt chunks and decodes): the
     greedy tokens with the mixed steps replayed from piecewise graphs equal those with the
     mixed steps run eagerly (the stable checkpoint: GEMM-shape rounding rarely flips a token)."""
-    from qwen3_model.engine import model_runner
-
     prompts = prompts_of([1, 16, 32, 7, 100, 257, 33, 64], seed=6)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
               for m in (40, 8, 30, 12, 40, 20, 5, 33)]
@@ -192,12 +187,22 @@ def test_piecewise_generate_equals_eager_mixed_steps(stable_ckpt, monkeypatch):
               max_model_len=1024, num_kvcache_blocks=512, scheduling_policy="longest_first")
     outs = {}
     for tokens in (64, 0):
-        monkeypatch.setattr(model_runner, "PIECEWISE_TOKENS", tokens)
-        llm = LLM(stable_ckpt, **kw)
+        llm = LLM(stable_ckpt, max_piecewise_graph_tokens=tokens, **kw)
+        runner, mixed = llm.model_runner, []
+        plain = runner.launch
+
+        def launch(batch):  # count the steps that compute prompt tokens
+            mixed.append(batch.num_prefill_tokens > 0)
+            return plain(batch)
+
+        runner.launch = launch
         outs[tokens] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        pw = llm.model_runner.piecewise
-        assert (pw is not None and pw.num_steps >= 10) if tokens else pw is None
-        del llm, pw
+        pw = runner.piecewise
+        if tokens:  # every step with prompt tokens (all fit the 64-token graphs) was replayed
+            assert pw is not None and pw.num_steps == sum(mixed) >= 8, (pw and pw.num_steps, sum(mixed))
+        else:
+            assert pw is None
+        del llm, runner, pw
         free_cuda()
     for i, (a, b) in enumerate(zip(outs[64], outs[0])):
         assert a == b, f"prompt {i}: piecewise {a} != eager {b}"

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import qwen3_kernels
-from qwen3_model.config import Config
+from qwen3_model.config import PIECEWISE_BUCKET, Config
 from qwen3_model.distributed import broadcast_from_rank0, init_one_shot_all_reduce
 from qwen3_model.engine.scheduler import ScheduledBatch
 from qwen3_model.engine.sequence import Sequence
@@ -152,13 +152,6 @@ class _HostStaging:
             self.events[i].record()
 
 
-# QWEN3_PIECEWISE_TOKENS=N (an experiment, off by default): mixed steps (prompt chunks + decodes)
-# of up to N tokens replay piecewise CUDA graphs, buckets of PIECEWISE_STEP tokens
-# (qwen3_model/engine/piecewise.py).
-PIECEWISE_TOKENS = int(os.environ.get("QWEN3_PIECEWISE_TOKENS", "0"))
-PIECEWISE_STEP = 32
-
-
 @contextlib.contextmanager
 def _prefer_cublaslt(use_cuda: bool):
     """torch's matmuls through cuBLASLt while the model runs (the projections that
@@ -263,8 +256,10 @@ class ModelRunner:
         elif not self.enforce_eager:
             self.capture_cudagraph()
         self.piecewise = None
-        if PIECEWISE_TOKENS and not why_not and not self.enforce_eager:
-            self.capture_piecewise(PIECEWISE_TOKENS)
+        # tensor parallel: the all-reduces inside these graphs are not measured yet (eager there)
+        if (config.max_piecewise_graph_tokens and not why_not and not self.enforce_eager
+                and self.world_size == 1):
+            self.capture_piecewise(config.max_piecewise_graph_tokens)
 
     def _why_no_graphs(self) -> str | None:
         """Graphs need every op on its CUDA kernel: the reference fallbacks sync with the host."""
@@ -839,7 +834,7 @@ class ModelRunner:
         piecewise CUDA graphs cut at every attention (qwen3_model/engine/piecewise.py)."""
         from qwen3_model.engine.piecewise import PiecewiseGraphs
 
-        step = PIECEWISE_STEP
+        step = PIECEWISE_BUCKET
         max_tokens = min(max_tokens, self.config.max_num_batched_tokens) // step * step
         if max_tokens < step:
             return

@@ -2,9 +2,12 @@
 paged KV cache, replays CUDA graphs for decode-only steps, and samples.
 
 Step layout (``qwen3_model.utils.context``): the prefill chunks first, then one token per decoding
-sequence. Mixed and prefill steps run eagerly; a decode-only step on CUDA replays the graph
-captured for the smallest batch-size bucket that fits, with the unused rows padded (slot -1: no
-cache write; seq_len 1 over block 0: a harmless read whose result is dropped).
+sequence. A decode-only step on CUDA replays the graph captured for the smallest batch-size bucket
+that fits, with the unused rows padded (slot -1: no cache write; seq_len 1 over block 0: a
+harmless read whose result is dropped). A step with prompt tokens of up to
+``max_piecewise_graph_tokens`` (one GPU) replays the piecewise graphs of its 32-token bucket with
+its attention run eagerly between them (``qwen3_model/engine/piecewise.py``); larger ones, and all
+on CPU, run eagerly.
 
 Host cost per step is kept small because the device waits on it between steps: a step's integer
 inputs (token ids, positions, slots, sequence lengths, block tables) are built with numpy in a

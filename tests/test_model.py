@@ -129,6 +129,21 @@ def test_split_attention_step_equals_the_plain_step(checkpoints):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_piecewise_buckets():
+    """The bucket a step of n tokens replays: the smallest multiple of the step that holds it,
+    none past max_tokens or before capture; max_tokens must be a positive multiple of the step."""
+    from qwen3_model.engine.piecewise import PiecewiseGraphs
+
+    pw = PiecewiseGraphs(None, 96, 32, 4, 8, 16, torch.float32, torch.device("cpu"))
+    assert pw.buckets == [32, 64, 96]
+    assert pw.bucket(5) is None  # nothing captured yet: the step runs eagerly
+    pw.graphs = {n: [] for n in pw.buckets}
+    assert [pw.bucket(n) for n in (1, 32, 33, 64, 65, 96, 97)] == [32, 32, 64, 64, 96, 96, None]
+    for bad in (0, 48, 16):
+        with pytest.raises(ValueError, match="must be a positive multiple of the bucket step"):
+            PiecewiseGraphs(None, bad, 32, 4, 8, 16, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_greedy_32_tokens_identical_to_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]

@@ -5,8 +5,8 @@
     python bench_engine.py --size 0.6B --baseline hf         # + transformers generate_batch, ratio
     python bench_engine.py --size 8B --num-seqs 64           # a smaller run of the same workload
     python bench_engine.py --size 8B --batch1                # 128-token prompt, 512 new tokens
-    python bench_engine.py --size 8B --scheduling-policy longest_first --max-num-seqs 256 \
-        --max-num-batched-tokens 512                         # the throughput setting (README)
+    python bench_engine.py --size 8B --scheduling-policy longest_first --max-num-seqs 176 \
+        --max-num-batched-tokens 384                         # the throughput setting (README)
     python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
     python bench_engine.py --size 0.6B --profile --num-seqs 256   # one decode step, kernel by kernel
     python bench_engine.py --size 8B --profile --profile-overlap --num-seqs 1 --tp 2  # in generate's loop

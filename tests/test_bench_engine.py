@@ -107,6 +107,10 @@ def test_schedule_model_prices_the_real_schedulers_steps():
     for r in runs.values():  # the longest request alone needs that many steps
         assert max(max_tokens) <= r["steps"] <= max(max_tokens) + 40, r
         assert abs(r["tok_s"] * r["seconds"] - sum(max_tokens)) < 1e-6 * sum(max_tokens)
+    # a cap of 8 running sequences: the 24 requests run in about three waves, not at once
+    capped = sm.model_workload("longest_first", 320, num_seqs=24, max_num_seqs=8)
+    assert capped["max_num_seqs"] == 8
+    assert capped["steps"] > max(max_tokens) + 2 * min(max_tokens), capped
 
 
 def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):

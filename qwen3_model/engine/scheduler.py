@@ -17,7 +17,11 @@ it (the LPT rule of makespan scheduling). It also makes a small token budget pay
 ``max_num_batched_tokens`` near the size where a step's GEMMs stop being bound by reading the
 weights (a few hundred tokens at Qwen3-8B on an H200), the short requests' prompts are computed in
 chunks alongside the long requests' decodes, in steps that read every weight anyway, instead of
-in large prefill steps of their own; and they still finish before the longest ones. It orders by
+in large prefill steps of their own; and they still finish before the longest ones. A cap on the
+running sequences below the batch's size (``max_num_seqs``) spreads the admissions further: the
+shortest requests wait for a slot, and their prompts fill the batch's last steps, which would
+otherwise decode a few sequences each (Qwen3-8B on an H200: 384 tokens and 176 sequences for 256
+requests, benchmarks/RESULTS.md). It orders by
 ``max_tokens`` (a bound when EOS can end a request early) and may keep a short request waiting
 behind longer ones, so it is a throughput setting for offline batches, not the default.
 """

@@ -81,8 +81,8 @@ def model_workload(policy: str, budget: int, num_seqs: int = 256, max_num_seqs: 
         sched.advance(batch)  # placeholder tokens: ignore_eos, only the counts matter
         steps += 1
     out = sum(max_tokens)
-    return dict(policy=policy, budget=budget, max_num_seqs=max_num_seqs, tok_s=out / total_ms * 1e3, seconds=total_ms / 1e3,
-                steps=steps)
+    return dict(policy=policy, budget=budget, max_num_seqs=max_num_seqs, tok_s=out / total_ms * 1e3,
+                seconds=total_ms / 1e3, steps=steps)
 
 
 def main(argv=None) -> None:

@@ -633,11 +633,10 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context,
                   bucket: int | None) -> torch.Tensor:
         """-> hidden [T, hidden] (a view of the graph's output buffer when replayed)."""
-        if bucket is None and self.piecewise is not None:
-            pw_bucket = self.piecewise.bucket(input_ids.shape[0])
+        if bucket is None:
+            pw_bucket = None if self.piecewise is None else self.piecewise.bucket(input_ids.shape[0])
             if pw_bucket is not None:
                 return self.piecewise.run(input_ids, positions, ctx, pw_bucket)
-        if bucket is None:
             set_context(ctx)
             # On CUDA the ops skip their tensor checks here: every argument is the engine's own
             # (the model's tests and the CPU engine run the same calls checked), and in a step of

@@ -81,7 +81,7 @@ def _check(all_reduce, rank: int, world: int) -> None:
 def _push_pairs(car, lib) -> dict:
     """A row-parallel projection at one token and the all-reduce + norm after it, as a TP-2
     Qwen3-8B decode step runs them: o_proj (K 2048) and down_proj (K 6144) alternating, 72 pairs,
-    each with its own weight (2.4 GB: streamed from HBM, as in a step). The GEMV (qkv_gemm) then
+    each with its own weight (2.4 GB: streamed from HBM, as in a step). The GEMV (linear) then
     the all-reduce, against the GEMV that sends its row itself (tp_gemv_push) and the pushed
     all-reduce. Both with the GEMV's pdl_early launch (the TP graphs' choice). Graph replays, us
     per pair; the two paths' outputs checked equal first."""
@@ -96,7 +96,7 @@ def _push_pairs(car, lib) -> dict:
 
     def pairs(push: bool):
         for i, k in enumerate(ks):
-            y = car.push_linear(xs[k], ws[i]) if push else qwen3_kernels.qkv_gemm(xs[k], ws[i], out=ys[i])
+            y = car.push_linear(xs[k], ws[i]) if push else qwen3_kernels.linear(xs[k], ws[i], out=ys[i])
             car.add_rms_norm(y, res, norm_w, 1e-6)
         return y
 

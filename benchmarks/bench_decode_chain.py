@@ -65,12 +65,12 @@ def test_decode_chain(model, report):
         w = W[s]
 
         def run():
-            qwen3_kernels.qkv_gemm(attn, w["o"], out=o_buf)
+            qwen3_kernels.linear(attn, w["o"], out=o_buf)
             qwen3_kernels.fused_add_rms_norm(o_buf, residual, w["post"], EPS)
             qwen3_kernels.linear_silu_and_mul(o_buf, w["gu"], out=act)
-            qwen3_kernels.qkv_gemm(act, w["down"], out=o_buf)
+            qwen3_kernels.linear(act, w["down"], out=o_buf)
             qwen3_kernels.fused_add_rms_norm(o_buf, residual, w["nxt"], EPS)
-            qwen3_kernels.qkv_gemm(o_buf, w["qkv"], out=out)
+            qwen3_kernels.linear(o_buf, w["qkv"], out=out)
         return run
 
     def cublas(s):

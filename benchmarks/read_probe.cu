@@ -1,5 +1,5 @@
 // How fast can a kernel read a decode weight, by the order it reads it in? A standalone probe (no
-// torch): the GEMV's access pattern (qkv_gemm_gemv.cu: a warp streams R rows, L 16-byte loads a
+// torch): the GEMV's access pattern (linear_gemv.cu: a warp streams R rows, L 16-byte loads a
 // lane per stage, the next stage in flight; "pairs": linear_silu_and_mul's gate + up rows) with
 // and without its arithmetic, a CTA reading whole rows in order ("rows"), and plain linear reads
 // of the same bytes ("linear": CTAs read contiguous chunks, grid-strided or one chunk a CTA).

@@ -341,10 +341,10 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
 }
 
 // ---------------------------------------------------------------------------------------------
-// qkv_gemm
+// linear
 // ---------------------------------------------------------------------------------------------
 
-// The operand checks qkv_gemm and linear_silu_and_mul share. x [m, k], weight [n, k], out
+// The operand checks linear and linear_silu_and_mul share. x [m, k], weight [n, k], out
 // [m, n / out_div]: one half dtype on x's device, contiguous, 16-byte aligned starts; n and k
 // positive multiples of 8 (n_name says what the weight's rows are in the message). Returns the dtype.
 DType check_linear_operands(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
@@ -379,22 +379,22 @@ DType check_linear_operands(const at::Tensor& out, const at::Tensor& x, const at
 // Hopper runs our CUTLASS / hand-written kernels (kernels/gemm/) where the choice table measured
 // them faster than cuBLAS, and cuBLAS (at::mm_out) where it did not; any other GPU gets cuBLAS:
 // the same result, so the op works everywhere the extension loads.
-void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
-  const char* op = "qkv_gemm";
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  const char* op = "linear";
   const DType dt = check_linear_operands(out, x, weight, 1, "N", op);
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  if (qwen3_kernels::qkv_gemm_prefers_cublas(m, n, k)) {  // measured faster there (the table)
+  if (qwen3_kernels::linear_prefers_cublas(m, n, k)) {  // measured faster there (the table)
     at::mm_out(out, x, weight.t());
     return;
   }
   // Stream-K partials where the chosen configuration needs them: from the caching allocator on
   // the current stream, so this stays CUDA-graph capturable.
-  const size_t ws_bytes = qwen3_kernels::qkv_gemm_workspace_size(m, n, k, dt);
+  const size_t ws_bytes = qwen3_kernels::linear_workspace_size(m, n, k, dt);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-  const cudaError_t err = qwen3_kernels::qkv_gemm(
+  const cudaError_t err = qwen3_kernels::linear(
       out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
       ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes, dt, c10::cuda::getCurrentCUDAStream());
   if (err == cudaErrorNotSupported) {
@@ -402,8 +402,8 @@ void qkv_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device());
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, x.get_device());
     QK_CHECK(!(major == 9 && minor == 0), "qwen3_kernels.", op,
-                ": the chosen configuration (the table in csrc/kernels/gemm/qkv_gemm.cu, or "
-                "QWEN3_QKV_GEMM_FORCE) cannot run M=", m, " N=", n, " K=", k);
+                ": the chosen configuration (the table in csrc/kernels/gemm/linear.cu, or "
+                "QWEN3_LINEAR_FORCE) cannot run M=", m, " N=", n, " K=", k);
     at::mm_out(out, x, weight.t());
     return;
   }
@@ -589,7 +589,7 @@ void tp_all_reduce_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::T
 }
 
 // tp_gemv_push: a row-parallel projection at one token whose output row also goes straight to the
-// peers' all-reduce buffers (qkv_gemm_gemv.cu); the all-reduce after it runs with pushed=True.
+// peers' all-reduce buffers (linear_gemv.cu); the all-reduce after it runs with pushed=True.
 void tp_gemv_push(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                   at::Tensor& buffer, const at::Tensor& peer_ptrs, const at::Tensor& counters,
                   int64_t rank) {
@@ -715,8 +715,8 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
       "float scale) -> ()");
   ops.impl("paged_attention_prefill", torch::kCUDA, &paged_attention_prefill);
   // out = x @ weight^T (CUTLASS sm90)
-  ops.def("qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()");
-  ops.impl("qkv_gemm", torch::kCUDA, &qkv_gemm);
+  ops.def("linear(Tensor! out, Tensor x, Tensor weight) -> ()");
+  ops.impl("linear", torch::kCUDA, &linear);
   // out = silu(g) * u, [g | u] = x @ weight^T (weight [2I, K]: gate rows, then up rows)
   ops.def("linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()");
   ops.impl("linear_silu_and_mul", torch::kCUDA, &linear_silu_and_mul);

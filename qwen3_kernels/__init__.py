@@ -23,7 +23,7 @@ from .ops import (
     paged_attention_decode,
     paged_attention_prefill,
     qk_norm_rope,
-    qkv_gemm,
+    linear,
     rms_norm,
     sample_tokens,
     silu_and_mul,
@@ -38,7 +38,7 @@ __all__ = [
     "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_chain", "decode_chain_supported",
     "decode_chain_workspace", "decode_workspace", "fused_add_rms_norm",
     "has_cuda_kernels", "linear_silu_and_mul", "paged_attention_decode", "paged_attention_prefill",
-    "qk_norm_rope", "qkv_gemm", "reference", "rms_norm", "sample_tokens", "silu_and_mul",
+    "qk_norm_rope", "linear", "reference", "rms_norm", "sample_tokens", "silu_and_mul",
     "tp_all_reduce", "tp_all_reduce_add_rms_norm", "tp_all_reduce_buffer_bytes", "tp_gemv_push",
     "trusted_inputs",
 ]

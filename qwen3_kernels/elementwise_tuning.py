@@ -6,8 +6,8 @@
         qwen3_kernels.rms_norm(x, w, 1e-6)
 
 What each variant launches is documented at the top of csrc/kernels/activation.cu ("silu"),
-csrc/kernels/norm.cu ("norm"), csrc/kernels/gemm/qkv_gemm_gemv.cu ("gemv": the launch of the
-weight-streaming GEMV behind qkv_gemm at T = 1 and linear_silu_and_mul; "gemv_loads": the L2 hint
+csrc/kernels/norm.cu ("norm"), csrc/kernels/gemm/linear_gemv.cu ("gemv": the launch of the
+weight-streaming GEMV behind linear at T = 1 and linear_silu_and_mul; "gemv_loads": the L2 hint
 of its weight loads; "gemv_silu": linear_silu_and_mul's kernel at T = 1) and
 csrc/kernels/decode_chain.cu ("chain").
 The choice is process-wide and applies to launches made after it is set (a CUDA graph keeps what

@@ -40,7 +40,7 @@ SCHEMAS = {
         "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, "
         "float scale) -> ()"
     ),
-    "qkv_gemm": "qkv_gemm(Tensor! out, Tensor x, Tensor weight) -> ()",
+    "linear": "linear(Tensor! out, Tensor x, Tensor weight) -> ()",
     "linear_silu_and_mul": "linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()",
     "sample_tokens": (
         "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
@@ -439,7 +439,7 @@ def paged_attention_prefill(
 
 
 def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
-    """The checks qkv_gemm and linear_silu_and_mul share: x [T, K] and weight [N, K] contiguous,
+    """The checks linear and linear_silu_and_mul share: x [T, K] and weight [N, K] contiguous,
     one dtype and device, K and N multiples of 8; out [T, out_cols(N)] contiguous (allocated when
     None). ``rows`` names N in the messages."""
     _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
@@ -460,9 +460,9 @@ def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
     return out
 
 
-def qkv_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T -> out [T, N]; K and N multiples of 8."""
-    op = "qkv_gemm"
+    op = "linear"
     out = _gemm_out(op, x, weight, out, "N", lambda n: n)
     _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight)
     return out
@@ -617,7 +617,7 @@ def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor,
                  peer_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """A row-parallel projection at one token: out [1, N] = x [1, K] @ weight [N, K]^T (the GEMV
-    of ``qkv_gemm``), and out's row also sent into slot ``rank`` of every peer's receive buffer
+    of ``linear``), and out's row also sent into slot ``rank`` of every peer's receive buffer
     for the next ``tp_all_reduce(_add_rms_norm)`` call on these buffers, which must follow with
     ``pushed=True`` on every rank (N is then its H). Each warp sends its outputs as soon as it has
     them, so the row's trip over NVLink overlaps the GEMV's tail. CUDA only (peer memory)."""
@@ -760,8 +760,8 @@ def _ref_paged_attention_prefill(out, q, k_cache, v_cache, cu_q, lens_k, block_t
     out.copy_(ref.paged_attention_prefill(q, k_cache, v_cache, cu_q, lens_k, block_tables, scale))
 
 
-def _ref_qkv_gemm(out, x, weight):
-    out.copy_(ref.qkv_gemm(x, weight))
+def _ref_linear(out, x, weight):
+    out.copy_(ref.linear(x, weight))
 
 
 def _ref_linear_silu_and_mul(out, x, weight):
@@ -791,7 +791,7 @@ _REFERENCE_IMPLS = {
     "qk_norm_rope": _ref_qk_norm_rope,
     "paged_attention_decode": _ref_paged_attention_decode,
     "paged_attention_prefill": _ref_paged_attention_prefill,
-    "qkv_gemm": _ref_qkv_gemm,
+    "linear": _ref_linear,
     "linear_silu_and_mul": _ref_linear_silu_and_mul,
     "sample_tokens": _ref_sample_tokens,
     "decode_chain": _ref_decode_chain,

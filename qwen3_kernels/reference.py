@@ -215,22 +215,22 @@ def paged_attention_prefill(
     return out
 
 
-def qkv_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T -> [T, N], fp32 accumulate."""
     return torch.matmul(x.float(), weight.float().t()).to(x.dtype)
 
 
 def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K], weight [N, K] -> [1, N]: this rank's output, qkv_gemm's. What the op also sends
+    """x [1, K], weight [N, K] -> [1, N]: this rank's output, linear's. What the op also sends
     to the peers is this row; their all-reduce (pushed) then gives tp_all_reduce of the ranks'
     rows, as without the push."""
-    return qkv_gemm(x, weight)
+    return linear(x, weight)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, K], weight [2I, K] -> [T, I] = silu_and_mul(qkv_gemm(x, weight)): the product is
+    """x [T, K], weight [2I, K] -> [T, I] = silu_and_mul(linear(x, weight)): the product is
     rounded to x's dtype before the activation, as the unfused pair would round it."""
-    return silu_and_mul(qkv_gemm(x, weight))
+    return silu_and_mul(linear(x, weight))
 
 
 def decode_chain(
@@ -242,11 +242,11 @@ def decode_chain(
     each rounding where it stores. attn [1, Q], residual [1, H] -> (out, new residual): out [1, N]
     = the next qkv_proj of the next input norm, or that norm itself [1, H] without
     next_qkv_weight; the new residual is residual + o_proj + down_proj (each add rounded)."""
-    o = qkv_gemm(attn, o_weight)
+    o = linear(attn, o_weight)
     h, r1 = fused_add_rms_norm(o, residual, post_norm_weight, eps)
-    d = qkv_gemm(linear_silu_and_mul(h, gate_up_weight), down_weight)
+    d = linear(linear_silu_and_mul(h, gate_up_weight), down_weight)
     x, r2 = fused_add_rms_norm(d, r1, next_norm_weight, eps)
-    return (x if next_qkv_weight is None else qkv_gemm(x, next_qkv_weight)), r2
+    return (x if next_qkv_weight is None else linear(x, next_qkv_weight)), r2
 
 
 # ---- sampling ----------------------------------------------------------------------------------

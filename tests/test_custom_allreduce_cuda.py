@@ -248,7 +248,7 @@ def _push_worker(rank, world, port, gemv_variant):
                     x, w, residual, nw = operands(seed, h, k, dtype)
                     out = torch.full((1, h), float("nan"), dtype=dtype, device="cuda")
                     qwen3_kernels.tp_gemv_push(x, w, *push_bufs, out=out)
-                    plain = qwen3_kernels.qkv_gemm(x, w)  # the same GEMV, no push
+                    plain = qwen3_kernels.linear(x, w)  # the same GEMV, no push
                     pushed_out = out.clone()
                     res = residual.clone()
                     if norm:
@@ -287,7 +287,7 @@ def _push_worker(rank, world, port, gemv_variant):
             with torch.cuda.graph(g, stream=stream):
                 qwen3_kernels.tp_gemv_push(sx, sw, *push_bufs, out=sout)
                 qwen3_kernels.tp_all_reduce_add_rms_norm(sout, sres, snw, EPS, *bufs, pushed=True)
-                qwen3_kernels.qkv_gemm(sout, sw2, out=sout2)
+                qwen3_kernels.linear(sout, sw2, out=sout2)
                 qwen3_kernels.tp_all_reduce_add_rms_norm(sout2, sres, snw, EPS, *bufs)
         torch.cuda.current_stream().wait_stream(stream)
         for rep in range(100):
@@ -296,10 +296,10 @@ def _push_worker(rank, world, port, gemv_variant):
             sx.copy_(x); sw.copy_(w); sres.copy_(residual); snw.copy_(nw); sw2.copy_(w2)
             g.replay()
             if rep % 10 == 0 or rep > 95:
-                y = qwen3_kernels.qkv_gemm(x, w)
+                y = qwen3_kernels.linear(x, w)
                 r = residual.clone()
                 qwen3_kernels.tp_all_reduce_add_rms_norm(y, r, nw, EPS, *bufs)
-                y2 = qwen3_kernels.qkv_gemm(y, w2)
+                y2 = qwen3_kernels.linear(y, w2)
                 qwen3_kernels.tp_all_reduce_add_rms_norm(y2, r, nw, EPS, *bufs)
                 torch.cuda.synchronize()
                 assert torch.equal(sout2.view(torch.int16), y2.view(torch.int16)), f"graph replay {rep}"

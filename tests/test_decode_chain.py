@@ -42,12 +42,12 @@ def test_op_is_the_six_unfused_ops(n):
     L = layer(n=n)
     out, res = call(L)
     # the unfused sequence through the public ops, each storing its rounded output
-    o = qwen3_kernels.qkv_gemm(L["attn"], L["o_weight"])
+    o = qwen3_kernels.linear(L["attn"], L["o_weight"])
     r = L["residual"].clone()
     h, r = qwen3_kernels.fused_add_rms_norm(o, r, L["post_norm_weight"], EPS)
-    d = qwen3_kernels.qkv_gemm(qwen3_kernels.linear_silu_and_mul(h, L["gate_up_weight"]), L["down_weight"])
+    d = qwen3_kernels.linear(qwen3_kernels.linear_silu_and_mul(h, L["gate_up_weight"]), L["down_weight"])
     x, r = qwen3_kernels.fused_add_rms_norm(d, r, L["next_norm_weight"], EPS)
-    want = x if n == 0 else qwen3_kernels.qkv_gemm(x, L["next_qkv_weight"])
+    want = x if n == 0 else qwen3_kernels.linear(x, L["next_qkv_weight"])
     assert out.shape == (1, n or 64) and out.dtype == torch.bfloat16
     assert torch.equal(out, want) and torch.equal(res, r)
     # and the fp32 chain is close (the roundings are the only difference)

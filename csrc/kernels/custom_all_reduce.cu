@@ -43,7 +43,7 @@
 // Calls with 0 rows launch nothing and advance nothing, on every rank alike.
 //
 // Pushed calls (pushed = true, one row; the TP decode default): the GEMV before (tp_gemv_push,
-// qkv_gemm_gemv.cu) already stored this rank's row into the peers' buffers, each warp as soon as
+// linear_gemv.cu) already stored this rank's row into the peers' buffers, each warp as soon as
 // its outputs were summed, so the row's NVLink trip overlaps the GEMV's tail instead of following
 // this kernel's start; this kernel skips its own push and only waits, adds and normalises. The
 // GEMV reads the count after its PDL wait, when every earlier call has finished (so it reads c),

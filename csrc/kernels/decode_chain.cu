@@ -26,7 +26,7 @@
 //   - Every warp owns whole outputs (rows of a weight; gate_up: the pair of rows u and I + u) over
 //     the full K: no split-K, no partial sums between warps. Output u of a stage goes to warp
 //     u mod (16 x grid), a fixed list known before the kernel starts.
-//   - The weights stream as the GEMV streams them (qkv_gemm_gemv.cu): 16-byte register loads
+//   - The weights stream as the GEMV streams them (linear_gemv.cu): 16-byte register loads
 //     (load_stream: L1 bypassed, 256-byte L2 lines), a lane's 8 loads of a step (4 KB of one row
 //     per warp) issued before it multiplies the step before, so 8-16 loads per lane are in
 //     flight, across stage boundaries too.

@@ -22,7 +22,7 @@ from torch import nn
 import qwen3_kernels
 from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size, push_linear
 
-# Which GEMM runs a projection on CUDA (bf16 / fp16): our qkv_gemm op where benchmarks/bench_qkv_gemm.py
+# Which GEMM runs a projection on CUDA (bf16 / fp16): our linear op where benchmarks/bench_linear.py
 # measured it faster than cuBLAS on the H200, cuBLAS (F.linear) everywhere else.
 #   - The fused QKV projection always calls the op (``by_table``): its choice table, measured on
 #     the Qwen3 QKV shapes at T = 1 .. 16384, runs our kernel where it won (the GEMV at T = 1, the
@@ -37,7 +37,7 @@ from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_worl
 # silu_and_mul at its end, one launch and no [T, 2I] round trip) wherever the GEMV runs;
 # QWEN3_FUSE_GATE_UP_SILU=0 runs the two ops, to compare.
 # QWEN3_STREAM_MAX_M=T (an experiment, off by default): every projection with 2..T tokens calls the
-# op too, whose dispatcher then runs the wgmma streaming kernel (qkv_gemm_stream.cu) on weights
+# op too, whose dispatcher then runs the wgmma streaming kernel (linear_stream.cu) on weights
 # of at most QWEN3_STREAM_MAX_N rows (8192: qkv, o, down of Qwen3-8B; not gate_up, the LM head).
 # Measured (H200, tenth session): the 8B workload at T <= 64 9,752 / 9,744 tok/s, at T <= 128
 # 9,701 / 9,692, off 9,758 / 9,749, so it stays off.
@@ -66,13 +66,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            by_table: bool = False) -> torch.Tensor:
     """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out].
 
-    Through the qkv_gemm op when ``by_table`` (its table then picks our kernel or cuBLAS) or when
+    Through the linear op when ``by_table`` (its table then picks our kernel or cuBLAS) or when
     T <= GEMV_MAX_TOKENS; F.linear (cuBLAS) otherwise, and always off CUDA, in fp32, or where the
     op's N, K multiple-of-8 rule does not hold.
     """
     if not _runs_our_gemm(x, weight, by_table, stream=True):
         return F.linear(x, weight, bias)
-    out = qwen3_kernels.qkv_gemm(x.contiguous(), weight)
+    out = qwen3_kernels.linear(x.contiguous(), weight)
     return out.add_(bias) if bias is not None else out
 
 

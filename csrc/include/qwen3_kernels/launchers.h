@@ -77,22 +77,22 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
 // ---- gemm/ ------------------------------------------------------------------------------------
 // out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous, 16-byte aligned; N, K % 8 == 0);
 // sm_90 only: cudaErrorNotSupported on any other device. The configuration is chosen by M from the
-// table in kernels/gemm/qkv_gemm.cu (or QWEN3_QKV_GEMM_FORCE, see there).
-// Whether the table (or QWEN3_QKV_GEMM_FORCE=cublas) chooses cuBLAS for this problem: the caller
-// then runs cuBLAS itself; qkv_gemm() would return cudaErrorNotSupported.
-bool qkv_gemm_prefers_cublas(int64_t m, int64_t n, int64_t k);
+// table in kernels/gemm/linear.cu (or QWEN3_LINEAR_FORCE, see there).
+// Whether the table (or QWEN3_LINEAR_FORCE=cublas) chooses cuBLAS for this problem: the caller
+// then runs cuBLAS itself; linear() would return cudaErrorNotSupported.
+bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k);
 // Bytes of workspace the chosen configuration needs (0 for many; stream-K partials otherwise).
-size_t qkv_gemm_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype);
-cudaError_t qkv_gemm(void* out,        // [M, N]
+size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype);
+cudaError_t linear(void* out,        // [M, N]
                      const void* x,    // [M, K]
                      const void* w,    // [N, K]
                      int64_t m, int64_t n, int64_t k,
-                     void* workspace,  // qkv_gemm_workspace_size(m, n, k, dtype) bytes, any content
+                     void* workspace,  // linear_workspace_size(m, n, k, dtype) bytes, any content
                      size_t workspace_bytes, DType dtype, cudaStream_t stream);
 
 // out[M, I] = silu(g) * u where [g | u] = x[M, K] @ w[2I, K]^T, each rounded to the dtype (the
 // MLP's gate_up projection and its activation in one pass over the weight, nothing [M, 2I] written).
-// The weight-streaming GEMV (kernels/gemm/qkv_gemm_gemv.cu): M <= linear_silu_and_mul_max_tokens,
+// The weight-streaming GEMV (kernels/gemm/linear_gemv.cu): M <= linear_silu_and_mul_max_tokens,
 // contiguous 16-byte aligned operands, 2I and K multiples of 8, sm_80+; cudaErrorNotSupported
 // otherwise (the caller then runs the GEMM and silu_and_mul).
 constexpr int64_t linear_silu_and_mul_max_tokens = 8;

@@ -171,7 +171,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t des
   }
 }
 
-// d[64 x 64] (+)= A[64 x 16] * B[16 x 64], both K-major by descriptor (qkv_gemm_stream.cu at
+// d[64 x 64] (+)= A[64 x 16] * B[16 x 64], both K-major by descriptor (linear_stream.cu at
 // <= 64 tokens); scale_d = 0 ignores the old d.
 #define QWEN3_WGMMA_D32                                                                            \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \

@@ -142,7 +142,7 @@ cudaError_t launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStrea
 
 // ---- PDL launch variants ---------------------------------------------------------------------------
 
-// How a weight-streaming kernel (qkv_gemm_gemv.cu) is launched: plainly, or with PDL, optionally
+// How a weight-streaming kernel (linear_gemv.cu) is launched: plainly, or with PDL, optionally
 // reading its weight's first stage before the wait (early: the weight is no kernel's output during
 // a forward) and / or triggering its dependents after its last store rather than at once (late).
 // The kernel takes one as its kLaunch template parameter and reads the flags from

@@ -1,4 +1,4 @@
-// qkv_gemm for decode (M <= 64 tokens), hand-written: a weight-streaming split-K kernel.
+// linear for decode (M <= 64 tokens), hand-written: a weight-streaming split-K kernel.
 //
 // At decode sizes out[M, N] = x[M, K] @ w[N, K]^T moves the N*K weight and almost nothing else,
 // so the kernel is built around reading w once at the full HBM rate:
@@ -36,11 +36,11 @@
 
 #include <algorithm>
 
-#include "qkv_gemm_configs.h"
+#include "linear_configs.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/tuning.cuh"  // LaunchConfig, launch_ex
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 namespace {
 
 constexpr int kWarps = 4;                  // per CTA; each owns 16 weight rows
@@ -283,7 +283,7 @@ cudaError_t launch_variant(const Problem& p, int splits, SplitKVariant variant) 
 }  // namespace
 
 int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count) {
-  // Measured on the H200 (2026-11-29, bench_qkv_gemm.py configs): 4 splits beat 5 and 8 on every
+  // Measured on the H200 (2026-11-29, bench_linear.py configs): 4 splits beat 5 and 8 on every
   // shape, so no more than 4; fewer only where 4 x row blocks would not all be resident at once
   // (32B: 160 x 4 > 4 x 132) or the split would get less than one main-loop step of K.
   const int nt = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
@@ -304,4 +304,4 @@ cudaError_t splitk_gemm(const Problem& p, bool bf16, int splits, SplitKVariant v
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail

@@ -1,9 +1,9 @@
-// qkv_gemm configuration "swap_128x64", bf16: decode (M <= 64): 128 weight rows x 64 tokens per tile;
+// linear configuration "swap_128x64", bf16: decode (M <= 64): 128 weight rows x 64 tokens per tile;
 // no cluster: the token operand is tiny, nothing worth multicasting.
-// The template and what it shows: qkv_gemm_sm90.cuh; when it is chosen: the table in qkv_gemm.cu.
-#include "qkv_gemm_sm90.cuh"
+// The template and what it shows: linear_sm90.cuh; when it is chosen: the table in linear.cu.
+#include "linear_sm90.cuh"
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 
 using Sm90_swap_128x64_bf16 = Sm90Gemm<cutlass::bfloat16_t,  // x, w, out
                             cute::Shape<cute::_128, cute::_64, cute::_64>,  // tile (M', N', K)
@@ -13,4 +13,4 @@ using Sm90_swap_128x64_bf16 = Sm90Gemm<cutlass::bfloat16_t,  // x, w, out
 size_t sm90_swap_128x64_bf16_workspace(const Problem& p) { return Sm90_swap_128x64_bf16::workspace_size(p); }
 cudaError_t sm90_swap_128x64_bf16(const Problem& p) { return Sm90_swap_128x64_bf16::run(p); }
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail

@@ -1,9 +1,9 @@
-// qkv_gemm configuration "tile_128x256", fp16: large prefill: 128 tokens x 256 weight rows per tile (each consumer
+// linear configuration "tile_128x256", fp16: large prefill: 128 tokens x 256 weight rows per tile (each consumer
 // warp group runs 64x256 wgmmas); a 2x1 cluster multicasts each weight tile to two token tiles.
-// The template and what it shows: qkv_gemm_sm90.cuh; when it is chosen: the table in qkv_gemm.cu.
-#include "qkv_gemm_sm90.cuh"
+// The template and what it shows: linear_sm90.cuh; when it is chosen: the table in linear.cu.
+#include "linear_sm90.cuh"
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 
 using Sm90_tile_128x256_fp16 = Sm90Gemm<cutlass::half_t,  // x, w, out
                             cute::Shape<cute::_128, cute::_256, cute::_64>,  // tile (M', N', K)
@@ -13,4 +13,4 @@ using Sm90_tile_128x256_fp16 = Sm90Gemm<cutlass::half_t,  // x, w, out
 size_t sm90_tile_128x256_fp16_workspace(const Problem& p) { return Sm90_tile_128x256_fp16::workspace_size(p); }
 cudaError_t sm90_tile_128x256_fp16(const Problem& p) { return Sm90_tile_128x256_fp16::run(p); }
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail

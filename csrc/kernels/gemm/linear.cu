@@ -1,10 +1,10 @@
-// qkv_gemm launcher: picks one configuration by M (= tokens) and N * K (= weight size) from the
+// linear launcher: picks one configuration by M (= tokens) and N * K (= weight size) from the
 // measured table below and runs it.
 //
 //   out[M, N] = x[M, K] @ w[N, K]^T, bf16 / fp16 in and out, fp32 accumulate; Hopper (sm_90) only:
 //   on any other device the launcher returns cudaErrorNotSupported (the binding then uses cuBLAS).
 //
-// Configurations (one TU each; see qkv_gemm_configs.h):
+// Configurations (one TU each; see linear_configs.h):
 //   splitk        hand-written weight-streaming split-K, K splits reduced in a cluster (M <= 64)
 //   splitk_pf     the same kernel, also prefetching its weight into L2 two steps ahead of the loads
 //   splitk_pdl    splitk_pf launched with programmatic dependent launch: the first steps' weight is
@@ -13,7 +13,7 @@
 //   tile_128x128  CUTLASS, tile 128 tokens x 128 weight rows, 2x1 cluster
 //   tile_128x256  CUTLASS, tile 128 tokens x 256 weight rows, 2x1 cluster
 //   stream        hand-written weight-streaming wgmma kernel, 256 weight rows x all tokens a CTA,
-//                 K splits reduced in a cluster (M <= 128; qkv_gemm_stream.cu)
+//                 K splits reduced in a cluster (M <= 128; linear_stream.cu)
 //   gemv          hand-written weight-streaming GEMV on the CUDA cores, a warp per 1 / 2 / 4 weight
 //                 rows over the whole K, no split-K (M <= 8); the table's choice at M = 1
 //   cublas        not ours: where cuBLAS measured faster, the table says so and the op runs
@@ -21,7 +21,7 @@
 // The CUTLASS ones use the stream-K tile scheduler, so each also takes a decomposition at run
 // time (data-parallel, split-K, stream-K or CUTLASS's heuristic).
 //
-// QWEN3_QKV_GEMM_FORCE=<config>[:<mode>] overrides the table for every call (read per call, so a
+// QWEN3_LINEAR_FORCE=<config>[:<mode>] overrides the table for every call (read per call, so a
 // benchmark can compare configurations in one process): <mode> is heuristic | dp | streamk |
 // split<S> for the CUTLASS configs, the split count S (1..8) for the splitk ones (without it,
 // splitk_default_splits; for stream, the most whose clusters are all resident) and the weight rows per warp R (1, 2, 4) for gemv (without it,
@@ -35,16 +35,16 @@
 #include <limits>
 #include <string>
 
-#include "qkv_gemm_configs.h"
+#include "linear_configs.h"
 #include "qwen3_kernels/launchers.h"
 
 namespace qwen3_kernels {
-namespace qkv_gemm_detail {
+namespace linear_detail {
 namespace {
 
 enum class Config {
   kSplitK, kSplitKPf, kSplitKPdl, kSwap128x64, kTile128x128, kTile128x256, kGemv, kStream,
-  kCublas  // cuBLAS measured faster: the op runs at::mm_out (qkv_gemm_prefers_cublas)
+  kCublas  // cuBLAS measured faster: the op runs at::mm_out (linear_prefers_cublas)
 };
 
 struct Choice {
@@ -74,7 +74,7 @@ constexpr Choice t128(Decomposition d) { return {Config::kTile128x128, d, 0}; }
 constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
 
 // The choice table: the configuration measured fastest for each (tokens, weight size) case.
-// Measured on the H200, 2026-11-29, by benchmarks/bench_qkv_gemm.py's configs sweep (bf16; every
+// Measured on the H200, 2026-11-29, by benchmarks/bench_linear.py's configs sweep (bf16; every
 // candidate on every Qwen3 QKV shape at T = 1, 8, 16, 32, 64, ..., 16384; its "fastest per case"
 // list). The winner at the row's max_m covers every M between the previous row and it; a weight
 // of N * K elements takes the first column whose bound it does not exceed, so each Qwen3 shape is
@@ -82,7 +82,7 @@ constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
 // What the measurement showed:
 //   - M = 1: the weight-streaming GEMV, rows per warp by N (gemv(0): gemv_default_rows_per_warp,
 //     2, or 4 for N = 8192..16384 such as 32B), measured 2026-11-30
-//     (bench_qkv_gemm.py's gemv rows, RESULTS.md): 1.02-1.61x cuBLAS and 1.12-1.29x split-K on
+//     (bench_linear.py's gemv rows, RESULTS.md): 1.02-1.61x cuBLAS and 1.12-1.29x split-K on
 //     every shape (8B: 14.7 us, 3.41 TB/s, vs cuBLAS 16.3 and split-K 16.7). At M = 3 and 8 it
 //     lost to cuBLAS (0.67-1.08x), so split-K keeps M = 2..8.
 //   - M <= 32: the hand-written split-K streams fastest with 4 splits (all CTAs resident at once,
@@ -95,14 +95,14 @@ constexpr Choice t256(Decomposition d) { return {Config::kTile128x256, d, 0}; }
 //     faster; 128x256 from M = 1024 on the small shapes, from M = 2048..16384 on the larger ones.
 //   - Among stream-K modes, ties (< 1%) were common; where dp or streamk lost it lost by up to 25%
 //     (e.g. 32B M = 256: dp 61.3 us vs heuristic 48.5 us), so the printed winner is taken as is.
-// Then (2026-11-30, bench_qkv_gemm.py -k vs_cublas at 520a9b7, RESULTS.md) each cell's winner ran
+// Then (2026-11-30, bench_linear.py -k vs_cublas at 520a9b7, RESULTS.md) each cell's winner ran
 // against cuBLAS (torch.matmul) on the same inputs, and where cuBLAS was faster the cell now says
 // CB: the op runs cuBLAS there (issue 7: "where cuBLAS wins, cuBLAS runs"). Our configuration
 // stayed where it measured >= 1.0x: the GEMV at M = 1 (1.02-1.61x), split-K at M = 2..8 for 14B
 // (1.06x), the 128x128 tile at M = 1024 for 14B / 32B (1.12x / 1.02x) and at M = 2048 for 4B / 8B
 // (1.03x / 1.12x), the 128x256 tile at M = 16384 for 0.6B / 8B (1.00x / 1.01x). The cells' own
-// winners listed above still run with QWEN3_QKV_GEMM_FORCE, which is how the sweep times them.
-// "stream" (2026-11-30, tenth session, bench_qkv_gemm.py -k stream_vs, RESULTS.md) is in no cell:
+// winners listed above still run with QWEN3_LINEAR_FORCE, which is how the sweep times them.
+// "stream" (2026-11-30, tenth session, bench_linear.py -k stream_vs, RESULTS.md) is in no cell:
 // on Qwen3-8B it beat cuBLAS(Lt) alone on o at T <= 32 (1.09-1.13x) and down at T = 16..96
 // (1.02-1.04x), lost on qkv (0.93-0.98x) and at T = 128 (0.78-0.98x), and routed through
 // QWEN3_STREAM_MAX_M it did not speed up the 8B workload.
@@ -172,7 +172,7 @@ bool parse_mode(const std::string& mode, Choice& c) {
   return true;
 }
 
-// The table's choice, or QWEN3_QKV_GEMM_FORCE's. A malformed override is reported once and ignored.
+// The table's choice, or QWEN3_LINEAR_FORCE's. A malformed override is reported once and ignored.
 // QWEN3_STREAM_MAX_M=T (an experiment, read once; 0 = off): the wgmma streaming kernel for 2..T
 // tokens on weights of at most QWEN3_STREAM_MAX_N rows (default 8192), ahead of the table.
 int env_int(const char* name, int fallback) {
@@ -190,7 +190,7 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
   if (m >= 2 && m <= stream_max_m && n <= stream_max_n) {
     c = Choice{Config::kStream, Decomposition::kHeuristic, 0};
   }
-  const char* env = std::getenv("QWEN3_QKV_GEMM_FORCE");
+  const char* env = std::getenv("QWEN3_LINEAR_FORCE");
   if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return c;
   const std::string s(env);
   const size_t colon = s.find(':');
@@ -235,7 +235,7 @@ Choice choose(int64_t m, int64_t n, int64_t k) {
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true)) {
       std::fprintf(stderr,
-                   "qwen3_kernels.qkv_gemm: ignoring QWEN3_QKV_GEMM_FORCE=%s (expected auto or "
+                   "qwen3_kernels.linear: ignoring QWEN3_LINEAR_FORCE=%s (expected auto or "
                    "cublas | splitk[:S] | splitk_pf[:S] | splitk_pdl[:S] | stream[:S] | gemv[:1|2|4] | "
                    "swap_128x64 | "
                    "tile_128x128 | tile_128x256 [:heuristic|dp|streamk|split<S>])\n",
@@ -331,31 +331,31 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return gemv_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
     case Config::kStream:
       return stream_gemm(p, bf16, p.decomposition == Decomposition::kSplitK ? p.splits : 0);
-    case Config::kCublas:  // the caller runs cuBLAS (it asks qkv_gemm_prefers_cublas first)
+    case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
       return cudaErrorNotSupported;
   }
   return cudaErrorNotSupported;
 }
 
 }  // namespace
-}  // namespace qkv_gemm_detail
+}  // namespace linear_detail
 
-bool qkv_gemm_prefers_cublas(int64_t m, int64_t n, int64_t k) {
-  return qkv_gemm_detail::choose(m, n, k).config == qkv_gemm_detail::Config::kCublas;
+bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k) {
+  return linear_detail::choose(m, n, k).config == linear_detail::Config::kCublas;
 }
 
-size_t qkv_gemm_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype) {
-  qkv_gemm_detail::Problem p;
-  qkv_gemm_detail::Choice c;
-  if (qkv_gemm_detail::make_problem(m, n, k, p, c) != cudaSuccess) return 0;
-  return qkv_gemm_detail::cutlass_workspace(c.config, dtype == DType::kBFloat16, p);
+size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype) {
+  linear_detail::Problem p;
+  linear_detail::Choice c;
+  if (linear_detail::make_problem(m, n, k, p, c) != cudaSuccess) return 0;
+  return linear_detail::cutlass_workspace(c.config, dtype == DType::kBFloat16, p);
 }
 
-cudaError_t qkv_gemm(void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k,
+cudaError_t linear(void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k,
                      void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream) {
-  qkv_gemm_detail::Problem p;
-  qkv_gemm_detail::Choice c;
-  cudaError_t err = qkv_gemm_detail::make_problem(m, n, k, p, c);
+  linear_detail::Problem p;
+  linear_detail::Choice c;
+  cudaError_t err = linear_detail::make_problem(m, n, k, p, c);
   if (err != cudaSuccess) return err;
   // TMA and the 16-byte loads need 16-byte aligned bases (rows are, since K, N % 8 == 0).
   for (const void* ptr : {static_cast<const void*>(out), x, w}) {
@@ -367,7 +367,7 @@ cudaError_t qkv_gemm(void* out, const void* x, const void* w, int64_t m, int64_t
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
   p.stream = stream;
-  return qkv_gemm_detail::run(c.config, dtype == DType::kBFloat16, p);
+  return linear_detail::run(c.config, dtype == DType::kBFloat16, p);
 }
 
 }  // namespace qwen3_kernels

@@ -1,4 +1,4 @@
-// qkv_gemm on Hopper with CUTLASS 3.x: out[M, N] = x[M, K] @ w[N, K]^T, 16-bit in, fp32 accumulate.
+// linear on Hopper with CUTLASS 3.x: out[M, N] = x[M, K] @ w[N, K]^T, 16-bit in, fp32 accumulate.
 //
 // What the kernel shows (in the style of CUTLASS example 48):
 //   1. TMA loads of both operands into a multi-stage shared-memory ring, consumed by wgmma
@@ -12,7 +12,7 @@
 //      of the wgmma tile and the few tokens sit on the narrow N side (64), instead of padding 1..64
 //      tokens up to a 128-row tile. out^T is out read column-major, so no transpose is needed.
 //
-// Each instantiation lives in its own TU (qkv_gemm_<config>_<dtype>.cu) so the build parallelises;
+// Each instantiation lives in its own TU (linear_<config>_<dtype>.cu) so the build parallelises;
 // this header is included only there. No torch headers (ARCHITECTURE.md).
 #pragma once
 
@@ -28,9 +28,9 @@
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "qkv_gemm_configs.h"
+#include "linear_configs.h"
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 
 template <class Element_,       // cutlass::bfloat16_t or cutlass::half_t
           class TileShape_,     // CTA tile in the CUTLASS problem: (M', N', K)
@@ -150,4 +150,4 @@ struct Sm90Gemm {
   }
 };
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail

@@ -1,9 +1,9 @@
-"""qkv_gemm vs cuBLAS (torch.matmul) on the Qwen3 fused-QKV shapes, and every configuration.
+"""linear vs cuBLAS (torch.matmul) on the Qwen3 fused-QKV shapes, and every configuration.
 
-    cd benchmarks && pytest -q -s bench_qkv_gemm.py                  # both parts
-    cd benchmarks && pytest -q -s bench_qkv_gemm.py -k vs_cublas     # ours (the table's choice) vs cuBLAS
-    cd benchmarks && pytest -q -s bench_qkv_gemm.py -k configs       # every config, best per case
-    cd benchmarks && pytest -q -s bench_qkv_gemm.py -k gemv          # gemv vs cuBLAS, T=1,3,8
+    cd benchmarks && pytest -q -s bench_linear.py                  # both parts
+    cd benchmarks && pytest -q -s bench_linear.py -k vs_cublas     # ours (the table's choice) vs cuBLAS
+    cd benchmarks && pytest -q -s bench_linear.py -k configs       # every config, best per case
+    cd benchmarks && pytest -q -s bench_linear.py -k gemv          # gemv vs cuBLAS, T=1,3,8
 
 out[T, N] = x[T, K] @ w[N, K]^T in bf16. Each case rotates (x, w, out) sets that together exceed
 the 60 MB L2 several times, so the weight streams from HBM as it does in a real forward pass, and
@@ -11,8 +11,8 @@ cuBLAS runs on the same sets in the same process. Small T report TB/s of the byt
 (the weight, plus x and out); large T report TFLOP/s (2 * T * N * K).
 Goals (TARGETS.md / issue 7): >= 1.3x cuBLAS and >= 3.4 TB/s for T <= 64; >= 1.0x for T >= 1024.
 
-The "configs" part times each configuration of the dispatcher (QWEN3_QKV_GEMM_FORCE) on every
-case and prints the fastest: the evidence for the choice table in csrc/kernels/gemm/qkv_gemm.cu.
+The "configs" part times each configuration of the dispatcher (QWEN3_LINEAR_FORCE) on every
+case and prints the fastest: the evidence for the choice table in csrc/kernels/gemm/linear.cu.
 """
 
 import os
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shape list l
 
 import qwen3_kernels  # noqa: E402
 from common import sets_for, time_gpu  # noqa: E402
-from tests.test_qkv_gemm import QKV_SHAPES  # noqa: E402
+from tests.test_linear import QKV_SHAPES  # noqa: E402
 
 DT = torch.bfloat16
 TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384]
@@ -34,7 +34,7 @@ SMALL_T = 256  # up to here the GEMM is weight streaming: report TB/s
 CASES = [(model, t) for model in QKV_SHAPES for t in TOKENS]
 IDS = [f"{m}-T{t}" for m, t in CASES]
 
-# Candidates per T range for the configs sweep (config[:mode], see qkv_gemm.cu). "splitk" is the
+# Candidates per T range for the configs sweep (config[:mode], see linear.cu). "splitk" is the
 # kernel measured on 2026-11-29 (without a count it now takes the 4 / 2 / 1 rule); splitk_pf and
 # splitk_pdl are its L2-prefetch and PDL variants, not yet measured; gemv[:R] is the CUDA-core
 # weight-streaming GEMV (M <= 8, R weight rows per warp), not yet measured either.
@@ -69,19 +69,19 @@ def _sets(t, n, k):
 
 
 def _ours(sets):
-    return [lambda s=s: torch.ops.qwen3_kernels.qkv_gemm(s[2], s[0], s[1]) for s in sets]
+    return [lambda s=s: torch.ops.qwen3_kernels.linear(s[2], s[0], s[1]) for s in sets]
 
 
 def _with_force(value, fn):
-    old = os.environ.get("QWEN3_QKV_GEMM_FORCE")
-    os.environ["QWEN3_QKV_GEMM_FORCE"] = value
+    old = os.environ.get("QWEN3_LINEAR_FORCE")
+    os.environ["QWEN3_LINEAR_FORCE"] = value
     try:
         return fn()
     finally:
         if old is None:
-            del os.environ["QWEN3_QKV_GEMM_FORCE"]
+            del os.environ["QWEN3_LINEAR_FORCE"]
         else:
-            os.environ["QWEN3_QKV_GEMM_FORCE"] = old
+            os.environ["QWEN3_LINEAR_FORCE"] = old
 
 
 def _guard(sets):
@@ -95,7 +95,7 @@ def _guard(sets):
 def summary():
     yield
     if _VS_CUBLAS:
-        print("\n\nqkv_gemm vs cuBLAS, bf16 (us ours / us cuBLAS, speed-up, rate)")
+        print("\n\nlinear vs cuBLAS, bf16 (us ours / us cuBLAS, speed-up, rate)")
         models = list(QKV_SHAPES)
         print("| T | " + " | ".join(f"{m} N={QKV_SHAPES[m][0]} K={QKV_SHAPES[m][1]}" for m in models) + " |")
         print("|---" * (len(models) + 1) + "|")
@@ -107,12 +107,12 @@ def summary():
                              f"{r[1] / r[0]:.2f}x, {r[2]}")
             print(f"| {t} | " + " | ".join(cells) + " |")
     if _BEST:
-        print("\n\nqkv_gemm configurations: fastest per case (us), runner-up in brackets")
+        print("\n\nlinear configurations: fastest per case (us), runner-up in brackets")
         for (m, t), ranked in sorted(_BEST.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             best = ranked[0]
             second = f" [{ranked[1][1]} {ranked[1][0] * 1e6:.1f}]" if len(ranked) > 1 else ""
             print(f"T={t:>5} {m:>5}: {best[1]:<24} {best[0] * 1e6:8.1f}{second}")
-        # the same winners laid out like kTable in csrc/kernels/gemm/qkv_gemm.cu (rows T, columns
+        # the same winners laid out like kTable in csrc/kernels/gemm/linear.cu (rows T, columns
         # the shapes), with the runner-up's margin where it is within 2% (a tie, not a choice)
         models = list(QKV_SHAPES)
         print("\nas kTable: T | " + " | ".join(models))
@@ -129,7 +129,7 @@ def summary():
 
 
 @pytest.mark.parametrize("model,t", CASES, ids=IDS)
-def test_qkv_gemm_vs_cublas(model, t, report, summary):
+def test_linear_vs_cublas(model, t, report, summary):
     n, k = QKV_SHAPES[model]
     sets = _sets(t, n, k)
     calls = max(len(sets), 8)
@@ -139,14 +139,14 @@ def test_qkv_gemm_vs_cublas(model, t, report, summary):
                     calls_per_replay=calls)
     nbytes = (n * k + t * k + t * n) * 2
     flops = 2 * t * n * k
-    row = report("qkv_gemm", f"{model} N={n} K={k} T={t}", ours, {"cublas": base},
+    row = report("linear", f"{model} N={n} K={k} T={t}", ours, {"cublas": base},
                  nbytes=nbytes if t <= SMALL_T else None, flops=flops if t > SMALL_T else None)
     rate = f"{row['tbs']:.2f} TB/s" if "tbs" in row else f"{row['tflops']:.0f} TFLOP/s"
     _VS_CUBLAS[(model, t)] = (ours, base, rate)
 
 
 @pytest.mark.parametrize("model,t", CASES, ids=IDS)
-def test_qkv_gemm_configs(model, t, summary):
+def test_linear_configs(model, t, summary):
     n, k = QKV_SHAPES[model]
     sets = _sets(t, n, k)
     calls = max(len(sets), 8)
@@ -170,7 +170,7 @@ def test_qkv_gemm_configs(model, t, summary):
 
 def _cublas_and_ours(sets):
     """cuBLAS's time per call on the rotated sets, and a function timing our op on them under the
-    current QWEN3_QKV_GEMM_FORCE (see _with_force), checking its output against cuBLAS."""
+    current QWEN3_LINEAR_FORCE (see _with_force), checking its output against cuBLAS."""
     calls = max(len(sets), 8)
     base = time_gpu([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets],
                     calls_per_replay=calls)
@@ -188,7 +188,7 @@ GEMV_CASES = [(model, t) for model in QKV_SHAPES for t in GEMV_TOKENS]
 
 
 @pytest.mark.parametrize("model,t", GEMV_CASES, ids=[f"{m}-T{t}" for m, t in GEMV_CASES])
-def test_qkv_gemm_gemv_vs_cublas(model, t, report):
+def test_linear_gemv_vs_cublas(model, t, report):
     """Each gemv variant next to the table's choice (auto) and cuBLAS at decode sizes.
 
     One report row per variant (baselines: cuBLAS and auto), so the table at the end shows TB/s
@@ -201,7 +201,7 @@ def test_qkv_gemm_gemv_vs_cublas(model, t, report):
     times = {}
     for config in GEMV:
         times[config] = _with_force(config, run)
-        report("qkv_gemm", f"{model} N={n} K={k} T={t} {config}", times[config],
+        report("linear", f"{model} N={n} K={k} T={t} {config}", times[config],
                {"cublas": base, "auto": auto}, nbytes=nbytes)
     line = ", ".join(f"{c} {s * 1e6:.1f} ({nbytes / s / 1e12:.2f} TB/s)" for c, s in times.items())
     print(f"\n[gemv] {model} N={n} K={k} T={t}: cublas {base * 1e6:.1f} "
@@ -298,7 +298,7 @@ def test_projection_sweep(tp, proj, t, report):
           f"best {best} {base / times[best]:.2f}x, auto {base / times['auto']:.2f}x")
 
 
-# The wgmma streaming kernel (qkv_gemm_stream.cu, M <= 128: 256 weight rows x all tokens a CTA,
+# The wgmma streaming kernel (linear_stream.cu, M <= 128: 256 weight rows x all tokens a CTA,
 # K split over a cluster) against cuBLAS on Qwen3-8B's projections at the workload's decode batch
 # sizes, at its default split count and a few others. cuBLAS is timed again after ours (each its
 # best of two, alternating) against the order bias RESULTS.md (ninth session) found.

@@ -1,4 +1,4 @@
-// qkv_gemm for decode batches (M <= 128 tokens) on the tensor cores: a weight-streaming wgmma
+// linear for decode batches (M <= 128 tokens) on the tensor cores: a weight-streaming wgmma
 // kernel ("stream").
 //
 // At 17..128 tokens out[M, N] = x[M, K] @ w[N, K]^T is still mostly a pass over the weight (at
@@ -35,13 +35,13 @@
 #include <atomic>
 #include <type_traits>
 
-#include "qkv_gemm_configs.h"
+#include "linear_configs.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
 #include "qwen3_kernels/tuning.cuh"  // pdl_wait, pdl_launch_dependents
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 namespace {
 
 constexpr int kRows = 256;             // weight rows (output columns) per CTA
@@ -374,4 +374,4 @@ cudaError_t stream_gemm(const Problem& p, bool bf16, int splits) {
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail

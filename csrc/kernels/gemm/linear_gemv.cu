@@ -1,4 +1,4 @@
-// qkv_gemm for decode (M <= 8 tokens) on the CUDA cores: a weight-streaming GEMV ("gemv").
+// linear for decode (M <= 8 tokens) on the CUDA cores: a weight-streaming GEMV ("gemv").
 //
 // At M <= 8, out[M, N] = x[M, K] @ w[N, K]^T is a pass over the N*K weight and little else, so the
 // only goal is to keep enough weight bytes in flight to reach the HBM read ceiling:
@@ -67,12 +67,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "qkv_gemm_configs.h"
+#include "linear_configs.h"
 #include "qwen3_kernels/launchers.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/tuning.cuh"
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 namespace {
 
 constexpr int kWarps = 4;                 // per CTA
@@ -445,7 +445,7 @@ bool gemv_fits(const Problem& p) {
 int gemv_default_rows_per_warp(int64_t m, int64_t n) {
   // From 3 tokens on, 4 rows a warp halve the x loads and converts per FMA (unmeasured guess).
   if (m > 2) return 4;
-  // At 1 token (bench_qkv_gemm.py, H200, 2026-11-30, every projection of 0.6B / 8B / 8B TP 2 and
+  // At 1 token (bench_linear.py, H200, 2026-11-30, every projection of 0.6B / 8B / 8B TP 2 and
   // the QKV of every size): 2 rows a warp were fastest or within 1% everywhere except
   // N = 10240..12288 (32B QKV, 8B gate_up under TP 2: 4 rows 26 vs 28 us), where 4 rows still
   // leave 640..768 CTAs; below 8192 rows 4 rows a warp leave too few CTAs (8B down, N 4096:
@@ -472,14 +472,14 @@ cudaError_t gemv_silu_and_mul(const Problem& p, bool bf16, int rows_per_warp) {
               : launch_for_m<__half, true>(p, rows_per_warp);
 }
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail
 
 namespace qwen3_kernels {
 
 cudaError_t tp_gemv_push(void* out, const void* x, const void* w, int64_t n, int64_t k,
                          const int64_t* peer_ptrs, const uint32_t* counters, int64_t slot_bytes,
                          int world, int rank, DType dtype, cudaStream_t stream) {
-  using namespace qkv_gemm_detail;
+  using namespace linear_detail;
   if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
   if (world < 2 || world > 8 || rank < 0 || rank >= world || n * 4 > slot_bytes ||
       peer_ptrs == nullptr || counters == nullptr)
@@ -506,7 +506,7 @@ cudaError_t linear_silu_and_mul(void* out, const void* x, const void* w, int64_t
                                 int64_t k, DType dtype, cudaStream_t stream) {
   if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return cudaErrorNotSupported;
   if (m > linear_silu_and_mul_max_tokens) return cudaErrorNotSupported;
-  qkv_gemm_detail::Problem p{};
+  linear_detail::Problem p{};
   p.out = out;
   p.x = x;
   p.w = w;
@@ -514,7 +514,7 @@ cudaError_t linear_silu_and_mul(void* out, const void* x, const void* w, int64_t
   p.n = two_i;
   p.k = k;
   p.stream = stream;
-  return qkv_gemm_detail::gemv_silu_and_mul(p, dtype == DType::kBFloat16, 0);
+  return linear_detail::gemv_silu_and_mul(p, dtype == DType::kBFloat16, 0);
 }
 
 }  // namespace qwen3_kernels
@@ -524,6 +524,6 @@ cudaError_t linear_silu_and_mul(void* out, const void* x, const void* w, int64_t
 // The launch variant of the following GEMV launches (QWEN3_GEMV_VARIANT), their weight loads' L2
 // hint (QWEN3_GEMV_LOADS: auto = none, l2_256b = 256-byte lines) and linear_silu_and_mul's kernel
 // at one token (QWEN3_GEMV_SILU: auto = cta rows, warp_rows = gemv_kernel).
-QWEN3_TUNING_HOOKS(qwen3_gemv, qwen3_kernels::qkv_gemm_detail::knob())
-QWEN3_TUNING_HOOKS(qwen3_gemv_loads, qwen3_kernels::qkv_gemm_detail::loads_knob())
-QWEN3_TUNING_HOOKS(qwen3_gemv_silu, qwen3_kernels::qkv_gemm_detail::silu_knob())
+QWEN3_TUNING_HOOKS(qwen3_gemv, qwen3_kernels::linear_detail::knob())
+QWEN3_TUNING_HOOKS(qwen3_gemv_loads, qwen3_kernels::linear_detail::loads_knob())
+QWEN3_TUNING_HOOKS(qwen3_gemv_silu, qwen3_kernels::linear_detail::silu_knob())

@@ -1,9 +1,9 @@
-"""CUDA: qkv_gemm vs the fp32 reference, held to the FlashAttention-3 rule.
+"""CUDA: linear vs the fp32 reference, held to the FlashAttention-3 rule.
 
 Our error (vs x.float() @ w.float().T) must be at most twice cuBLAS's error doing the same GEMM
 in the same 16-bit dtype (torch.matmul), plus a tiny epsilon; measured as the max abs error and as
 the relative Frobenius error. Outputs are poisoned with NaN first so an unwritten element fails.
-Every configuration of the dispatcher (QWEN3_QKV_GEMM_FORCE) is tested on its own as well, so
+Every configuration of the dispatcher (QWEN3_LINEAR_FORCE) is tested on its own as well, so
 the choice table can change without losing coverage.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 import qwen3_kernels
 from tests.helpers import rel_err, requires_cuda
-from tests.test_qkv_gemm import QKV_SHAPES, TOKENS
+from tests.test_linear import QKV_SHAPES, TOKENS
 
 pytestmark = requires_cuda
 
@@ -71,18 +71,18 @@ def _eager_then_replayed(step, check, refresh):
 def force(monkeypatch):
     """Pin the dispatcher to one configuration for the test (read by the launcher per call)."""
     def set_config(value):
-        monkeypatch.setenv("QWEN3_QKV_GEMM_FORCE", value)
-    monkeypatch.delenv("QWEN3_QKV_GEMM_FORCE", raising=False)
+        monkeypatch.setenv("QWEN3_LINEAR_FORCE", value)
+    monkeypatch.delenv("QWEN3_LINEAR_FORCE", raising=False)
     return set_config
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model,t", CASES, ids=[f"{m}-T{t}" for m, t in CASES])
-def test_qkv_gemm_qwen3_shapes(model, t, dtype, force):
+def test_linear_qwen3_shapes(model, t, dtype, force):
     n, k = QKV_SHAPES[model]
     x, w = _inputs(t, n, k, dtype)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
-    qwen3_kernels.qkv_gemm(x, w, out=out)
+    qwen3_kernels.linear(x, w, out=out)
     _check(x, w, out)
 
 
@@ -123,11 +123,11 @@ FORCED = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config,t,n,k", FORCED, ids=[f"{c}-T{t}-N{n}-K{k}" for c, t, n, k in FORCED])
-def test_qkv_gemm_each_config(config, t, n, k, dtype, force):
+def test_linear_each_config(config, t, n, k, dtype, force):
     force(config)
     x, w = _inputs(t, n, k, dtype, seed=t + n + k)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
-    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    torch.ops.qwen3_kernels.linear(out, x, w)
     _check(x, w, out)
 
 
@@ -143,12 +143,12 @@ GEMV_SHAPE_CASES = sorted(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", GEMV_VARIANTS)
 @pytest.mark.parametrize("model,t", GEMV_SHAPE_CASES, ids=[f"{m}-T{t}" for m, t in GEMV_SHAPE_CASES])
-def test_qkv_gemm_gemv_qwen3_shapes(model, t, config, dtype, force):
+def test_linear_gemv_qwen3_shapes(model, t, config, dtype, force):
     force(config)
     n, k = QKV_SHAPES[model]
     x, w = _inputs(t, n, k, dtype, seed=t + n)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
-    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    torch.ops.qwen3_kernels.linear(out, x, w)
     _check(x, w, out)
 
 
@@ -166,15 +166,15 @@ GEMV_ODD = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config,t,n,k", GEMV_ODD,
                          ids=[f"{c}-T{t}-N{n}-K{k}" for c, t, n, k in GEMV_ODD])
-def test_qkv_gemm_gemv_odd_sizes(config, t, n, k, dtype, force):
+def test_linear_gemv_odd_sizes(config, t, n, k, dtype, force):
     force(config)
     x, w = _inputs(t, n, k, dtype, seed=t + n + k)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=dtype)
-    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    torch.ops.qwen3_kernels.linear(out, x, w)
     _check(x, w, out)
 
 
-def test_qkv_gemm_gemv_writes_only_its_output(force):
+def test_linear_gemv_writes_only_its_output(force):
     # The output is a row-aligned slice of a larger poisoned buffer: nothing around it may change
     # (masked token rows and idle warps must not store).
     force("gemv")
@@ -182,13 +182,13 @@ def test_qkv_gemm_gemv_writes_only_its_output(force):
         x, w = _inputs(t, n, k, torch.bfloat16, seed=t)
         buf = torch.full((t + 2, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         out = buf[1 : t + 1]
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
         _check(x, w, out)
         assert buf[0].isnan().all() and buf[t + 1].isnan().all()
 
 
 @pytest.mark.parametrize("t", [9, 64, 65, 128])
-def test_qkv_gemm_stream_writes_only_its_output(t, force):
+def test_linear_stream_writes_only_its_output(t, force):
     # Token rows past M are zero-filled tile padding: none of them may be stored, nor anything
     # past N in the partial last row block.
     force("stream")
@@ -196,13 +196,13 @@ def test_qkv_gemm_stream_writes_only_its_output(t, force):
         x, w = _inputs(t, n, k, torch.bfloat16, seed=t + n)
         buf = torch.full((t + 2, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         out = buf[1 : t + 1]
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
         _check(x, w, out)
         assert buf[0].isnan().all() and buf[t + 1].isnan().all()
 
 
 @pytest.mark.parametrize("t", [16, 128])
-def test_qkv_gemm_stream_pdl_orders_after_the_previous_kernel(t, force):
+def test_linear_stream_pdl_orders_after_the_previous_kernel(t, force):
     # The stream kernel is launched with PDL and asks for its first weight stages before it waits
     # for the kernel before it: x written by that kernel must still be read new, and a second
     # stream GEMM (started early by the first one's launch_dependents) must read the first one's
@@ -218,8 +218,8 @@ def test_qkv_gemm_stream_pdl_orders_after_the_previous_kernel(t, force):
 
     def step():
         torch.mul(x_new, 1.0, out=x)  # a kernel writing x right before the GEMM
-        torch.ops.qwen3_kernels.qkv_gemm(mid, x, w1)
-        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
+        torch.ops.qwen3_kernels.linear(mid, x, w1)
+        torch.ops.qwen3_kernels.linear(out, mid, w2)
 
     def check():
         _check(x_new, w1, mid)
@@ -234,7 +234,7 @@ def test_qkv_gemm_stream_pdl_orders_after_the_previous_kernel(t, force):
     _eager_then_replayed(step, check, refresh)
 
 
-def test_qkv_gemm_in_a_cuda_graph(force):
+def test_linear_in_a_cuda_graph(force):
     # Decode runs from captured graphs: the stream-K workspace comes from the caching allocator
     # and the barrier reset is a memset node, so replays must stay correct with fresh inputs.
     n, k = QKV_SHAPES["8B"]
@@ -243,10 +243,10 @@ def test_qkv_gemm_in_a_cuda_graph(force):
         force(config)
         x, w = _inputs(16, n, k, torch.bfloat16)
         out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
-        qwen3_kernels.qkv_gemm(x, w, out=out)  # warm-up outside the capture
+        qwen3_kernels.linear(x, w, out=out)  # warm-up outside the capture
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+            torch.ops.qwen3_kernels.linear(out, x, w)
         for seed in (1, 2):
             x2, w2 = _inputs(16, n, k, torch.bfloat16, seed=seed)
             x.copy_(x2)
@@ -258,7 +258,7 @@ def test_qkv_gemm_in_a_cuda_graph(force):
 
 
 @pytest.mark.parametrize("config", ["splitk_pdl", "splitk_pdl:2", "splitk_pf"])
-def test_qkv_gemm_pdl_orders_after_the_previous_kernel(config, force):
+def test_linear_pdl_orders_after_the_previous_kernel(config, force):
     # splitk_pdl may start while the previous kernel in the stream runs: it must still read the
     # weight and x that kernel writes, and a following splitk_pdl (started early by our
     # launch_dependents) must still read our finished output. Eager and in a graph.
@@ -277,8 +277,8 @@ def test_qkv_gemm_pdl_orders_after_the_previous_kernel(config, force):
         # 50 MB weight last, right before the GEMM that reads them
         torch.mul(x_new, 1.0, out=x)
         torch.mul(w1_new, 1.0, out=w1)
-        torch.ops.qwen3_kernels.qkv_gemm(mid, x, w1)
-        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)  # reads the previous GEMM's output
+        torch.ops.qwen3_kernels.linear(mid, x, w1)
+        torch.ops.qwen3_kernels.linear(out, mid, w2)  # reads the previous GEMM's output
 
     step()
     torch.cuda.synchronize()
@@ -300,7 +300,7 @@ def test_qkv_gemm_pdl_orders_after_the_previous_kernel(config, force):
         _check(mid, w2, out)
 
 
-def test_qkv_gemm_runs_cublas_where_the_table_says_so(force):
+def test_linear_runs_cublas_where_the_table_says_so(force):
     # T = 16 on the 8B shape is a cuBLAS cell of the table (cuBLAS measured faster): the op's
     # output must then be cuBLAS's own, bit for bit; forcing "cublas" gives the same anywhere.
     n, k = QKV_SHAPES["8B"]
@@ -308,52 +308,52 @@ def test_qkv_gemm_runs_cublas_where_the_table_says_so(force):
         force(config)
         x, w = _inputs(t, n, k, torch.bfloat16, seed=t)
         out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
         assert torch.equal(out, torch.matmul(x, w.t())), (config, t)
 
 
-def test_qkv_gemm_opcheck():
+def test_linear_opcheck():
     n, k = 4104, 1032
     for t in (3, 300):
         x, w = _inputs(t, n, k, torch.bfloat16)
         out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
-        torch.library.opcheck(torch.ops.qwen3_kernels.qkv_gemm, (out, x, w))
+        torch.library.opcheck(torch.ops.qwen3_kernels.linear, (out, x, w))
 
 
-def test_qkv_gemm_under_torch_compile():
+def test_linear_under_torch_compile():
     x, w = _inputs(8, 4096, 1024, torch.bfloat16)
 
     @torch.compile(fullgraph=True)
     def f(x, w):
         out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
         return out
 
     _check(x, w, f(x, w))
 
 
-def test_qkv_gemm_rejects_misaligned_and_refused(force):
+def test_linear_rejects_misaligned_and_refused(force):
     buf = torch.randn(8 * 64 + 4, device="cuda").to(torch.bfloat16)
     x = buf[4:].view(8, 64)  # contiguous, but 8 bytes past an aligned start
     w = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
     out = torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="16-byte aligned"):
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
     force("splitk")  # the hand-written kernel covers M <= 64 only
     x, w = _inputs(65, 64, 64, torch.bfloat16)
     out = torch.empty(65, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot run M=65"):
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
     force("stream")  # M <= 128 only
     x, w = _inputs(129, 64, 64, torch.bfloat16)
     out = torch.empty(129, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot run M=129"):
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
     force("gemv")  # M <= 8 only
     x, w = _inputs(9, 64, 64, torch.bfloat16)
     out = torch.empty(9, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot run M=9"):
-        torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+        torch.ops.qwen3_kernels.linear(out, x, w)
 
 
 # The op's own checks (torch_bindings.cpp, one helper for both ops), called directly: the Python
@@ -372,7 +372,7 @@ BAD_OPERANDS = [
 ]
 
 
-@pytest.mark.parametrize("op,div", [("qkv_gemm", 1), ("linear_silu_and_mul", 2)])
+@pytest.mark.parametrize("op,div", [("linear", 1), ("linear_silu_and_mul", 2)])
 @pytest.mark.parametrize("case,spec,match", BAD_OPERANDS, ids=[c[0] for c in BAD_OPERANDS])
 def test_ops_reject_bad_operands_directly(op, div, case, spec, match):
     bf16 = torch.bfloat16
@@ -422,13 +422,13 @@ def gemv_silu():
 @pytest.mark.parametrize("variant", GEMV_LAUNCH_VARIANTS)
 @pytest.mark.parametrize("t,n,k", [(1, 6144, 4096), (1, 4096, 12288), (3, 4104, 200), (8, 72, 25600),
                                    (1, 8, 8)])
-def test_qkv_gemm_gemv_launch_variants(variant, loads, t, n, k, force, gemv_variant, gemv_loads):
+def test_linear_gemv_launch_variants(variant, loads, t, n, k, force, gemv_variant, gemv_loads):
     force("gemv")
     gemv_variant(variant)
     gemv_loads(loads)
     x, w = _inputs(t, n, k, torch.bfloat16, seed=t + n + k)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    torch.ops.qwen3_kernels.qkv_gemm(out, x, w)
+    torch.ops.qwen3_kernels.linear(out, x, w)
     _check(x, w, out)
 
 
@@ -525,7 +525,7 @@ def test_gemv_pdl_orders_after_the_previous_kernel(variant, silu, force, gemv_va
             torch.mul(x_new, 1.0, out=x)
             torch.mul(w1_new, 1.0, out=w1)
         torch.ops.qwen3_kernels.linear_silu_and_mul(mid, x, w1)
-        torch.ops.qwen3_kernels.qkv_gemm(out, mid, w2)
+        torch.ops.qwen3_kernels.linear(out, mid, w2)
 
     def check():
         _check_silu(x_new, w1_new, mid)

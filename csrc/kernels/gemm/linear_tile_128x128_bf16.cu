@@ -1,9 +1,9 @@
-// qkv_gemm configuration "tile_128x128", bf16: mid-size prefill: 128 tokens x 128 weight rows per tile;
+// linear configuration "tile_128x128", bf16: mid-size prefill: 128 tokens x 128 weight rows per tile;
 // a 2x1 cluster multicasts each weight tile to two token tiles.
-// The template and what it shows: qkv_gemm_sm90.cuh; when it is chosen: the table in qkv_gemm.cu.
-#include "qkv_gemm_sm90.cuh"
+// The template and what it shows: linear_sm90.cuh; when it is chosen: the table in linear.cu.
+#include "linear_sm90.cuh"
 
-namespace qwen3_kernels::qkv_gemm_detail {
+namespace qwen3_kernels::linear_detail {
 
 using Sm90_tile_128x128_bf16 = Sm90Gemm<cutlass::bfloat16_t,  // x, w, out
                             cute::Shape<cute::_128, cute::_128, cute::_64>,  // tile (M', N', K)
@@ -13,4 +13,4 @@ using Sm90_tile_128x128_bf16 = Sm90Gemm<cutlass::bfloat16_t,  // x, w, out
 size_t sm90_tile_128x128_bf16_workspace(const Problem& p) { return Sm90_tile_128x128_bf16::workspace_size(p); }
 cudaError_t sm90_tile_128x128_bf16(const Problem& p) { return Sm90_tile_128x128_bf16::run(p); }
 
-}  // namespace qwen3_kernels::qkv_gemm_detail
+}  // namespace qwen3_kernels::linear_detail

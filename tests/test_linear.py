@@ -1,7 +1,7 @@
-"""CPU: the qkv_gemm reference vs a naive dot product, input checks, the CPU dispatch path.
+"""CPU: the linear reference vs a naive dot product, input checks, the CPU dispatch path.
 
-The Qwen3 QKV shapes live here and are shared by tests/test_qkv_gemm_cuda.py and
-benchmarks/bench_qkv_gemm.py.
+The Qwen3 QKV shapes live here and are shared by tests/test_linear_cuda.py and
+benchmarks/bench_linear.py.
 """
 
 import pytest
@@ -40,7 +40,7 @@ def test_reference_vs_naive_dot_products(t, n, k):
     w = torch.randn(n, k, dtype=torch.float64)
     naive = torch.tensor([[sum(x[i, c].item() * w[j, c].item() for c in range(k)) for j in range(n)]
                           for i in range(t)], dtype=torch.float64)
-    got = ref.qkv_gemm(x.float(), w.float())
+    got = ref.linear(x.float(), w.float())
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), naive, rtol=1e-5, atol=1e-5)
 
@@ -52,7 +52,7 @@ def test_reference_accumulates_in_fp32_and_rounds_once(dtype):
     x = torch.randn(4, 4096).to(dtype)
     w = torch.randn(24, 4096).to(dtype)
     want = (x.double() @ w.double().t()).to(dtype)
-    got = ref.qkv_gemm(x, w)
+    got = ref.linear(x, w)
     assert got.dtype == dtype
     # fp32 accumulation differs from fp64 by far less than one 16-bit ulp: at most one rounding flip
     assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
@@ -63,14 +63,14 @@ def test_wrapper_on_cpu_runs_the_reference(dtype):
     x = torch.randn(5, 64).to(dtype)
     w = torch.randn(48, 64).to(dtype)
     out = torch.full((5, 48), float("nan"), dtype=dtype)
-    got = qwen3_kernels.qkv_gemm(x, w, out=out)
+    got = qwen3_kernels.linear(x, w, out=out)
     assert got is out
-    assert torch.equal(out, ref.qkv_gemm(x, w))
-    assert torch.equal(qwen3_kernels.qkv_gemm(x, w), ref.qkv_gemm(x, w))
+    assert torch.equal(out, ref.linear(x, w))
+    assert torch.equal(qwen3_kernels.linear(x, w), ref.linear(x, w))
 
 
 def test_wrapper_handles_zero_tokens():
-    out = qwen3_kernels.qkv_gemm(torch.randn(0, 64), torch.randn(16, 64))
+    out = qwen3_kernels.linear(torch.randn(0, 64), torch.randn(16, 64))
     assert out.shape == (0, 16)
 
 
@@ -94,16 +94,16 @@ def test_input_checks(x_shape, w_shape, kwargs, match):
         out = torch.empty(*kwargs.get("out_shape", (x_shape[0], w_shape[0])),
                           dtype=kwargs.get("out_dtype", torch.bfloat16))
     with pytest.raises(ValueError, match=match):
-        qwen3_kernels.qkv_gemm(x, w, out=out)
+        qwen3_kernels.linear(x, w, out=out)
 
 
 def test_input_checks_reject_strided_operands():
     x = torch.randn(64, 8).to(torch.bfloat16).t()  # [8, 64], column-major
     w = torch.randn(16, 64).to(torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous"):
-        qwen3_kernels.qkv_gemm(x, w)
+        qwen3_kernels.linear(x, w)
     with pytest.raises(ValueError, match="contiguous"):
-        qwen3_kernels.qkv_gemm(torch.randn(8, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16).t())
+        qwen3_kernels.linear(torch.randn(8, 64).to(torch.bfloat16), torch.randn(64, 32).to(torch.bfloat16).t())
 
 
 # ---- linear_silu_and_mul: the gate_up projection and its activation in one op -------------------
@@ -114,7 +114,7 @@ def test_linear_silu_and_mul_reference_is_the_unfused_pair(dtype):
     # the product rounded to the dtype first, then silu(gate) * up: what the model ran before
     x = torch.randn(5, 64).to(dtype)
     w = (torch.randn(48, 64) * 0.125).to(dtype)
-    h = ref.qkv_gemm(x, w)
+    h = ref.linear(x, w)
     want = (torch.nn.functional.silu(h[:, :24].float()) * h[:, 24:].float()).to(dtype)
     assert torch.equal(ref.linear_silu_and_mul(x, w), want)
     out = torch.full((5, 24), float("nan"), dtype=dtype)

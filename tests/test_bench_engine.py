@@ -93,26 +93,6 @@ def test_gpu_clocks_without_cuda_samples_nothing(monkeypatch):
     assert clocks.samples == [] and clocks.summary() is None
 
 
-def test_schedule_model_prices_the_real_schedulers_steps():
-    sm = _benchmark_module("schedule_model")
-    # the projections cost the same up to ~200 tokens (weight-bound), then grow with the tokens
-    assert sm.step_ms([], [(0, 128)], False) - sm.step_ms([], [(0, 64)], False) < 0.4
-    assert sm.step_ms([], [(0, 512)], False) - sm.step_ms([], [(0, 256)], False) > 4.0
-    # decodes pay for their contexts' K/V
-    assert sm.step_ms([2000] * 8, [], True) > sm.step_ms([100] * 8, [], True)
-    bench = _bench_engine()
-    _, max_tokens = bench.nano_vllm_workload(24)
-    runs = {p: sm.model_workload(p, 320 if p == "longest_first" else 16384, num_seqs=24)
-            for p in ("fcfs", "longest_first")}
-    for r in runs.values():  # the longest request alone needs that many steps
-        assert max(max_tokens) <= r["steps"] <= max(max_tokens) + 40, r
-        assert abs(r["tok_s"] * r["seconds"] - sum(max_tokens)) < 1e-6 * sum(max_tokens)
-    # a cap of 8 running sequences: the 24 requests run in about three waves, not at once
-    capped = sm.model_workload("longest_first", 320, num_seqs=24, max_num_seqs=8)
-    assert capped["max_num_seqs"] == 8
-    assert capped["steps"] > max(max_tokens) + 2 * min(max_tokens), capped
-
-
 def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):
     """The throughput path end to end on CPU (the demo shape, 3 short requests): every request
     gets its max_tokens, and the printout and the JSON line name the policy and the budget."""

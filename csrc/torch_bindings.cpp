@@ -609,82 +609,6 @@ void tp_gemv_push(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
                op);
 }
 
-// ---------------------------------------------------------------------------------------------
-// decode_chain
-// ---------------------------------------------------------------------------------------------
-
-// One token from a layer's attention output to the next layer's qkv (kernels/decode_chain.cu).
-// Every tensor on attn's device in attn's dtype (the workspace uint8), contiguous, 16-byte
-// aligned; the shapes follow from attn [1, Q], residual [1, H] and gate_up_weight [2I, H].
-void decode_chain(at::Tensor& out, const at::Tensor& attn, at::Tensor& residual,
-                  const at::Tensor& o_weight, const at::Tensor& post_norm_weight,
-                  const at::Tensor& gate_up_weight, const at::Tensor& down_weight,
-                  const at::Tensor& next_norm_weight, const c10::optional<at::Tensor>& next_qkv_weight,
-                  double eps, at::Tensor& workspace) {
-  const char* op = "decode_chain";
-  const DType dt = half_dtype(attn, op, "attn");
-  struct Operand { const at::Tensor* t; const char* name; };
-  std::vector<Operand> operands = {{&out, "out"}, {&attn, "attn"}, {&residual, "residual"},
-                                   {&o_weight, "o_weight"}, {&post_norm_weight, "post_norm_weight"},
-                                   {&gate_up_weight, "gate_up_weight"}, {&down_weight, "down_weight"},
-                                   {&next_norm_weight, "next_norm_weight"}};
-  if (next_qkv_weight) operands.push_back({&*next_qkv_weight, "next_qkv_weight"});
-  for (const Operand& o : operands) {
-    check_cuda(*o.t, attn, op, o.name);
-    check_dtype(*o.t, attn.scalar_type(), op, o.name);
-    check_contiguous(*o.t, op, o.name);
-    QK_CHECK(reinterpret_cast<uintptr_t>(o.t->data_ptr()) % 16 == 0, "qwen3_kernels.", op, ": ",
-             o.name, " must start 16-byte aligned; got a view at offset ", o.t->storage_offset());
-  }
-  check_dim(attn, 2, op, "attn");
-  check_dim(residual, 2, op, "residual");
-  check_dim(gate_up_weight, 2, op, "gate_up_weight");
-  const int64_t q = attn.size(1), h = residual.size(1), inter = gate_up_weight.size(0) / 2;
-  QK_CHECK(attn.size(0) == 1 && residual.size(0) == 1, "qwen3_kernels.", op,
-           ": one token: attn and residual must be [1, ...], got ", attn.sizes(), " and ",
-           residual.sizes());
-  QK_CHECK(gate_up_weight.size(1) == h && gate_up_weight.size(0) == 2 * inter, "qwen3_kernels.",
-           op, ": gate_up_weight must be [2I, ", h, "], got ", gate_up_weight.sizes());
-  QK_CHECK(o_weight.dim() == 2 && o_weight.size(0) == h && o_weight.size(1) == q,
-           "qwen3_kernels.", op, ": o_weight must be [", h, ", ", q, "], got ", o_weight.sizes());
-  QK_CHECK(down_weight.dim() == 2 && down_weight.size(0) == h && down_weight.size(1) == inter,
-           "qwen3_kernels.", op, ": down_weight must be [", h, ", ", inter, "], got ",
-           down_weight.sizes());
-  QK_CHECK(post_norm_weight.dim() == 1 && post_norm_weight.size(0) == h &&
-               next_norm_weight.dim() == 1 && next_norm_weight.size(0) == h,
-           "qwen3_kernels.", op, ": the norm weights must be [", h, "], got ",
-           post_norm_weight.sizes(), " and ", next_norm_weight.sizes());
-  int64_t n = h;
-  if (next_qkv_weight) {
-    QK_CHECK(next_qkv_weight->dim() == 2 && next_qkv_weight->size(1) == h, "qwen3_kernels.", op,
-             ": next_qkv_weight must be [N, ", h, "], got ", next_qkv_weight->sizes());
-    n = next_qkv_weight->size(0);
-  }
-  QK_CHECK(out.dim() == 2 && out.size(0) == 1 && out.size(1) == n, "qwen3_kernels.", op,
-           ": out must be [1, ", n, "], got ", out.sizes());
-  QK_CHECK(out.data_ptr() != attn.data_ptr() && out.data_ptr() != residual.data_ptr(),
-           "qwen3_kernels.", op, ": out must not alias attn or residual");
-  QK_CHECK(qwen3_kernels::decode_chain_shape_ok(h, q, inter), "qwen3_kernels.", op,
-           ": hidden, q width and intermediate must be multiples of 256 that fit the kernel, got H=",
-           h, " Q=", q, " I=", inter);
-  const int64_t ws_bytes = qwen3_kernels::decode_chain_workspace_bytes(h, inter);
-  check_cuda(workspace, attn, op, "workspace");
-  check_dtype(workspace, at::kByte, op, "workspace");
-  check_contiguous(workspace, op, "workspace");
-  QK_CHECK(workspace.numel() >= ws_bytes && reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 256 == 0,
-           "qwen3_kernels.", op, ": workspace must be >= ", ws_bytes,
-           " bytes (decode_chain_workspace), 256-byte aligned, got ", workspace.numel());
-  const c10::cuda::CUDAGuard guard(attn.device());
-  const cudaError_t err = qwen3_kernels::decode_chain(
-      out.data_ptr(), attn.data_ptr(), residual.data_ptr(), o_weight.data_ptr(),
-      post_norm_weight.data_ptr(), gate_up_weight.data_ptr(), down_weight.data_ptr(),
-      next_norm_weight.data_ptr(), next_qkv_weight ? next_qkv_weight->data_ptr() : nullptr, n,
-      workspace.data_ptr(), h, q, inter, static_cast<float>(eps), dt, c10::cuda::getCurrentCUDAStream());
-  QK_CHECK(err != cudaErrorNotSupported, "qwen3_kernels.", op,
-           ": needs an sm_90 GPU (decode_chain_supported)");
-  check_launch(err, op);
-}
-
 }  // namespace
 
 TORCH_LIBRARY(qwen3_kernels, ops) {
@@ -743,14 +667,6 @@ TORCH_LIBRARY(qwen3_kernels, ops) {
       "tp_gemv_push(Tensor! out, Tensor x, Tensor weight, Tensor! buffer, Tensor peer_ptrs, "
       "Tensor counters, int rank) -> ()");
   ops.impl("tp_gemv_push", torch::kCUDA, &tp_gemv_push);
-  // one token from a layer's attention output to the next layer's qkv (or the final norm):
-  // o_proj, add + norm, gate_up + silu, down, add + norm, next qkv_proj in one kernel
-  ops.def(
-      "decode_chain(Tensor! out, Tensor attn, Tensor! residual, Tensor o_weight, "
-      "Tensor post_norm_weight, Tensor gate_up_weight, Tensor down_weight, "
-      "Tensor next_norm_weight, Tensor? next_qkv_weight, float eps, "
-      "Tensor! workspace) -> ()");
-  ops.impl("decode_chain", torch::kCUDA, &decode_chain);
 }
 
 // Importable as qwen3_kernels._C; loading it runs the registration above.

@@ -13,9 +13,6 @@ from . import reference
 from .ops import (
     MAX_DECODE_SPLITS,
     cuda_kernels_import_error,
-    decode_chain,
-    decode_chain_supported,
-    decode_chain_workspace,
     decode_workspace,
     fused_add_rms_norm,
     has_cuda_kernels,
@@ -35,8 +32,7 @@ from .ops import (
 )
 
 __all__ = [
-    "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_chain", "decode_chain_supported",
-    "decode_chain_workspace", "decode_workspace", "fused_add_rms_norm",
+    "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fused_add_rms_norm",
     "has_cuda_kernels", "linear_silu_and_mul", "paged_attention_decode", "paged_attention_prefill",
     "qk_norm_rope", "linear", "reference", "rms_norm", "sample_tokens", "silu_and_mul",
     "tp_all_reduce", "tp_all_reduce_add_rms_norm", "tp_all_reduce_buffer_bytes", "tp_gemv_push",

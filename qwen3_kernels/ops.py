@@ -54,12 +54,6 @@ SCHEMAS = {
         "Tensor! buffer, Tensor peer_ptrs, Tensor! counters, Tensor abort_flag, int rank, "
         "bool pushed=False) -> ()"
     ),
-    "decode_chain": (
-        "decode_chain(Tensor! out, Tensor attn, Tensor! residual, Tensor o_weight, "
-        "Tensor post_norm_weight, Tensor gate_up_weight, Tensor down_weight, "
-        "Tensor next_norm_weight, Tensor? next_qkv_weight, float eps, "
-        "Tensor! workspace) -> ()"
-    ),
     "tp_gemv_push": (
         "tp_gemv_push(Tensor! out, Tensor x, Tensor weight, Tensor! buffer, Tensor peer_ptrs, "
         "Tensor counters, int rank) -> ()"
@@ -631,104 +625,6 @@ def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------
-# Batch-1 decode chain
-# ----------------------------------------------------------------------------------------------
-
-_CHAIN_MAX_SMEM = 226 * 1024  # 227 KB per block, 1 KB left for static shared memory
-
-
-def decode_chain_workspace_bytes(hidden: int, inter: int) -> int:
-    """Bytes of decode_chain's workspace: 16384 for the grid barrier's words (and debug stamps),
-    then o [H], act [I] and d [H] as 16-bit values, each rounded up to 256 bytes (the same rule as
-    decode_chain_workspace_bytes in kernels/decode_chain.cu; the raw op checks against that)."""
-    up = lambda b: (b + 255) // 256 * 256  # noqa: E731
-    return 16384 + 2 * up(2 * hidden) + up(2 * inter)
-
-
-def decode_chain_workspace(hidden: int, inter: int, device=None) -> torch.Tensor:
-    """A zeroed workspace for decode_chain (uint8): the barrier's arrival count must start at 0,
-    and every call leaves it 0. One chain in flight per workspace."""
-    return torch.zeros(decode_chain_workspace_bytes(hidden, inter), dtype=torch.uint8, device=device)
-
-
-def decode_chain_supported(hidden: int, q_dim: int, inter: int, device) -> bool:
-    """Whether the decode_chain kernel runs these sizes on this device: the built extension, an
-    sm_90 GPU, hidden / q width / intermediate multiples of 256 (at most 2^20) whose stage input
-    and residual (16-bit) fit 226 of the 227 KB of shared memory (the rule of decode_chain_shape_ok
-    in kernels/decode_chain.cu). Elsewhere decode_chain runs the reference on CUDA tensors too, and
-    the model keeps the unfused ops."""
-    device = torch.device(device)
-    if not (_HAS_CUDA_KERNELS and device.type == "cuda"):
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    dims = (hidden, q_dim, inter)
-    if any(d <= 0 or d % 256 or d > 2**20 for d in dims):
-        return False
-    return 2 * (max(dims) + hidden) <= _CHAIN_MAX_SMEM
-
-
-def decode_chain(
-    attn: torch.Tensor, residual: torch.Tensor, o_weight: torch.Tensor,
-    post_norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-    next_norm_weight: torch.Tensor, next_qkv_weight: torch.Tensor | None, eps: float,
-    workspace: torch.Tensor, out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One token (batch 1) from a layer's attention output to the next layer's packed qkv, in one
-    persistent kernel on sm_90 (``reference.decode_chain`` says what it computes):
-
-        attn [1, Q], residual [1, H] (updated in place to residual + o_proj + down_proj),
-        o_weight [H, Q], post_norm_weight [H], gate_up_weight [2I, H] (gate rows, then up rows),
-        down_weight [H, I], next_norm_weight [H], next_qkv_weight [N, H] or None (the last layer:
-        out is the final norm) -> out [1, N] (or [1, H]).
-
-    workspace: ``decode_chain_workspace(H, I, device)``. Every tensor contiguous, one dtype and
-    device. Where ``decode_chain_supported`` is False the reference runs.
-    """
-    op = "decode_chain"
-    _check_tensor(op, "attn", attn, ndim=2, dtypes=_FLOAT_DTYPES)
-    dev, dt = attn.device, attn.dtype
-    q_dim = attn.shape[1]
-    _check_tensor(op, "residual", residual, ndim=2, dtype=dt, device=dev)
-    if attn.shape[0] != 1 or residual.shape[0] != 1:
-        _fail(op, f"one token: attn and residual must be [1, ...], got {tuple(attn.shape)} and "
-                  f"{tuple(residual.shape)}")
-    h = residual.shape[1]
-    _check_tensor(op, "gate_up_weight", gate_up_weight, ndim=2, dtype=dt, device=dev)
-    if gate_up_weight.shape[0] % 2 or gate_up_weight.shape[1] != h:
-        _fail(op, f"gate_up_weight must be [2I, {h}], got {tuple(gate_up_weight.shape)}")
-    inter = gate_up_weight.shape[0] // 2
-    shapes = {"o_weight": (o_weight, (h, q_dim)), "post_norm_weight": (post_norm_weight, (h,)),
-              "down_weight": (down_weight, (h, inter)), "next_norm_weight": (next_norm_weight, (h,))}
-    if next_qkv_weight is not None:
-        _check_tensor(op, "next_qkv_weight", next_qkv_weight, ndim=2, dtype=dt, device=dev)
-        shapes["next_qkv_weight"] = (next_qkv_weight, (next_qkv_weight.shape[0], h))
-    for name, (t, shape) in shapes.items():
-        _check_tensor(op, name, t, ndim=len(shape), dtype=dt, device=dev)
-        _check_shape(op, name, t, shape)
-    n = h if next_qkv_weight is None else next_qkv_weight.shape[0]
-    if out is None:
-        out = torch.empty(1, n, dtype=dt, device=dev)
-    _check_tensor(op, "out", out, ndim=2, dtype=dt, device=dev)
-    _check_shape(op, "out", out, (1, n))
-    if out.data_ptr() in (attn.data_ptr(), residual.data_ptr()):
-        _fail(op, "out must not alias attn or residual")
-    contiguous = {"attn": attn, "residual": residual, "out": out, "gate_up_weight": gate_up_weight}
-    contiguous.update((name, t) for name, (t, _) in shapes.items())
-    for name, t in contiguous.items():
-        _check_contiguous(op, name, t)
-    _check_tensor(op, "workspace", workspace, ndim=1, dtype=torch.uint8, device=dev)
-    if workspace.numel() < decode_chain_workspace_bytes(h, inter):
-        _fail(op, f"workspace must hold >= {decode_chain_workspace_bytes(h, inter)} bytes "
-                  f"(decode_chain_workspace), got {workspace.numel()}")
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        _fail(op, f"eps must be a positive float, got {eps!r}")
-    kernel_ok = dt in _KERNEL_DTYPES and decode_chain_supported(h, q_dim, inter, dev)
-    _run(op, kernel_ok, out, attn, residual, o_weight, post_norm_weight, gate_up_weight,
-         down_weight, next_norm_weight, next_qkv_weight, float(eps), workspace)
-    return out
-
-# ----------------------------------------------------------------------------------------------
 # Reference implementations for the dispatcher (CPU always; every device without the extension)
 # and fake impls for tracing.
 # ----------------------------------------------------------------------------------------------
@@ -772,12 +668,6 @@ def _ref_sample_tokens(out, logits, temperatures, seed_keys):
     out.copy_(ref.sample_tokens(logits, temperatures, seed_keys))
 
 
-def _ref_decode_chain(out, attn, residual, o_w, post_w, gu_w, down_w, next_w, qkv_w, eps, workspace):
-    y, new_res = ref.decode_chain(attn, residual, o_w, post_w, gu_w, down_w, next_w, qkv_w, eps)
-    residual.copy_(new_res)
-    out.copy_(y)
-
-
 def _no_peers(*args):
     # No peer memory off CUDA: the op's math is reference.tp_all_reduce(_add_rms_norm) over the
     # stacked partial sums, which one process cannot see. Raised for torch.ops.* called directly.
@@ -794,7 +684,6 @@ _REFERENCE_IMPLS = {
     "linear": _ref_linear,
     "linear_silu_and_mul": _ref_linear_silu_and_mul,
     "sample_tokens": _ref_sample_tokens,
-    "decode_chain": _ref_decode_chain,
     "tp_all_reduce": _no_peers,
     "tp_all_reduce_add_rms_norm": _no_peers,
     "tp_gemv_push": _no_peers,

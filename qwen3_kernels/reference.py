@@ -233,22 +233,6 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(linear(x, weight))
 
 
-def decode_chain(
-    attn: torch.Tensor, residual: torch.Tensor, o_weight: torch.Tensor,
-    post_norm_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-    next_norm_weight: torch.Tensor, next_qkv_weight: torch.Tensor | None, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token from a layer's attention output to the next layer's qkv: the six unfused ops,
-    each rounding where it stores. attn [1, Q], residual [1, H] -> (out, new residual): out [1, N]
-    = the next qkv_proj of the next input norm, or that norm itself [1, H] without
-    next_qkv_weight; the new residual is residual + o_proj + down_proj (each add rounded)."""
-    o = linear(attn, o_weight)
-    h, r1 = fused_add_rms_norm(o, residual, post_norm_weight, eps)
-    d = linear(linear_silu_and_mul(h, gate_up_weight), down_weight)
-    x, r2 = fused_add_rms_norm(d, r1, next_norm_weight, eps)
-    return (x if next_qkv_weight is None else linear(x, next_qkv_weight)), r2
-
-
 # ---- sampling ----------------------------------------------------------------------------------
 
 _M32 = 0xFFFFFFFF

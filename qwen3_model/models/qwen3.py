@@ -11,8 +11,6 @@ Parameter names follow the Hugging Face checkpoint, except the fused projections
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -130,55 +128,8 @@ class Qwen3Model(nn.Module):
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList([Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # decode_chain's grid barrier and stage outputs (uint8, zeroed: a few tens of KB). A buffer,
-        # so it moves with the model and exists before any CUDA graph is captured.
-        self.register_buffer("chain_workspace", qwen3_kernels.decode_chain_workspace(
-            config.hidden_size, config.intermediate_size, None), persistent=False)
-
-    def uses_decode_chain(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens runs each layer's o_proj .. next qkv_proj as one
-        decode_chain kernel: asked for (QWEN3_DECODE_CHAIN=1, read at each forward, so a CUDA
-        graph keeps what was set at capture), one token (batch-1 decode, eager or graph), one GPU
-        (no tensor parallelism: the chain has no all-reduce), no biases, an sm_90 GPU and sizes
-        the kernel takes. Off by default: on the H200 the chain is still slower than the unfused
-        launches (Qwen3-8B batch 1: 186-190 against 220 decode tok/s, benchmarks/RESULTS.md,
-        2026-12-01 thirteenth session)."""
-        if num_tokens != 1 or not self.layers or get_tp_world_size() != 1:
-            return False
-        if os.environ.get("QWEN3_DECODE_CHAIN", "0") != "1":
-            return False
-        a = self.layers[0].self_attn
-        if a.qkv_proj.bias is not None or a.o_proj.bias is not None:
-            return False
-        w = self.layers[0].mlp.gate_up_proj.weight
-        if w.dtype not in (torch.float16, torch.bfloat16):
-            return False
-        return qwen3_kernels.decode_chain_supported(
-            w.shape[1], a.o_proj.weight.shape[1], w.shape[0] // 2, w.device)
-
-    def _forward_chain(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token: embedding, the first layer's input norm and qkv_proj, then per layer the
-        attention and one decode_chain from its output to the next layer's qkv (the last layer's
-        chain ends in the final norm). Same math as forward(), the roundings where it stores them."""
-        residual = self.embed_tokens(input_ids)  # [1, H], updated in place by every chain
-        first = self.layers[0]
-        qkv = first.self_attn.qkv_proj(first.input_layernorm(residual))
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            attn = a.attn(qkv, positions, a.q_norm.weight, a.k_norm.weight, a.rotary_emb.cos_sin_cache)
-            nxt = self.layers[i + 1] if i + 1 < n else None
-            qkv = qwen3_kernels.decode_chain(
-                attn, residual, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                mlp.gate_up_proj.weight, mlp.down_proj.weight,
-                (nxt.input_layernorm if nxt is not None else self.norm).weight,
-                nxt.self_attn.qkv_proj.weight if nxt is not None else None,
-                self.norm.eps, self.chain_workspace)
-        return qkv  # the last chain's output: the final norm [1, H]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.uses_decode_chain(input_ids.shape[0]):
-            return self._forward_chain(input_ids, positions)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

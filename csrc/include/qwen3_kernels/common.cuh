@@ -50,7 +50,7 @@ __device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
-// 16 bytes of a weight streamed once (the GEMVs, decode_chain, split-K): read once, never again,
+// 16 bytes of a weight streamed once (the GEMVs, split-K): read once, never again,
 // so keep it out of L1. kL2Lines also asks L2 for whole 256-byte lines (.L2::256B); without it L2
 // fetches the 32-byte sectors asked for. The hint costs the GEMV's pattern (a warp's 512 bytes of
 // each of its rows per load) bandwidth: benchmarks/read_probe.cu (H200, 2026-12-02) read Qwen3-8B's

@@ -117,32 +117,6 @@ cudaError_t tp_gemv_push(void* out,                  // [1, N]
                          int64_t slot_bytes, int world, int rank, DType dtype,
                          cudaStream_t stream);
 
-// ---- decode_chain.cu --------------------------------------------------------------------------
-// One token (batch 1) from a layer's attention output to the next layer's QKV in one persistent
-// kernel: o = attn W_o^T; r1 = residual + o; h = rms_norm(r1) w_post; act = silu(h W_gate^T) *
-// (h W_up^T); d = act W_down^T; r2 = r1 + d; x = rms_norm(r2) w_next; out = x W_qkv^T (or x
-// without next_qkv_weight); residual <- r2. Each intermediate rounded to the dtype.
-// Every weight contiguous and 16-byte aligned; hidden, q_dim, inter multiples of 256 that fit the
-// kernel's shared memory (decode_chain_shape_ok); sm_90 only: cudaErrorNotSupported otherwise.
-// workspace: decode_chain_workspace_bytes(hidden, inter) bytes whose first 4 bytes (the barrier's
-// arrival count) are 0 before the first call; every call leaves them 0. One chain at a time per
-// workspace.
-int64_t decode_chain_workspace_bytes(int64_t hidden, int64_t inter);
-bool decode_chain_shape_ok(int64_t hidden, int64_t q_dim, int64_t inter);
-cudaError_t decode_chain(void* out,                    // [1, N] (next qkv) or [1, H]
-                         const void* attn,             // [1, Q]
-                         void* residual,               // [1, H], in and out
-                         const void* o_weight,         // [H, Q]
-                         const void* post_norm_weight, // [H]
-                         const void* gate_up_weight,   // [2I, H]: gate rows, then up rows
-                         const void* down_weight,      // [H, I]
-                         const void* next_norm_weight, // [H]
-                         const void* next_qkv_weight,  // [N, H] or nullptr
-                         int64_t qkv_n,
-                         void* workspace,              // decode_chain_workspace_bytes
-                         int64_t hidden, int64_t q_dim, int64_t inter, float eps, DType dtype,
-                         cudaStream_t stream);
-
 // ---- custom_all_reduce.cu --------------------------------------------------------------------
 // One-shot tensor-parallel all-reduce over peer (NVLink) memory: s = sum over ranks of x in rank
 // order (fp32, rounded to the dtype); add_rms_norm: residual += s, x = rms_norm(residual) * weight,

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
                    help="admission order: arrival, or the most max_tokens first (offline batches)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
+    # (config.TP_ALL_REDUCE_CHOICES spelled out, as above)
+    e.add_argument("--tp-all-reduce", choices=["auto", "custom", "nccl"], default="auto",
+                   help="tensor-parallel all-reduce: ours fused with the norm (custom), NCCL / "
+                        "gloo (nccl), or custom where it can run (auto)")
+    e.add_argument("--no-overlap-steps", action="store_true",
+                   help="read every step's tokens before scheduling the next (no host / device "
+                        "overlap; same tokens)")
     return p
 
 
@@ -89,6 +96,8 @@ def engine_kwargs(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
+        tp_all_reduce=args.tp_all_reduce,
+        overlap_steps=not args.no_overlap_steps,
     )
 
 

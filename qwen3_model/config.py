@@ -15,6 +15,7 @@ _DTYPES = {
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the paged attention kernels support
 SCHEDULING_POLICIES = ("fcfs", "longest_first")
 PIECEWISE_BUCKET = 32  # token-count step of the piecewise graphs (max_piecewise_graph_tokens)
+TP_ALL_REDUCE_CHOICES = ("auto", "custom", "nccl")
 
 
 @dataclass(slots=True)
@@ -23,12 +24,14 @@ class Config:
     max_num_batched_tokens: int = 16384  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 512  # sequences running at once
     max_model_len: int = 4096  # prompt + output, capped by the checkpoint's max_position_embeddings
-    gpu_memory_utilization: float = 0.9  # share of the GPU the engine may fill (KV cache = the rest)
+    # share of the GPU the engine may fill (the KV cache takes what the model leaves)
+    gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # True: no CUDA graphs
     kvcache_block_size: int = 256  # tokens per KV block
     num_kvcache_blocks: int = -1  # -1: sized from free GPU memory (CUDA) or cpu_kvcache_gib (CPU)
-    cpu_kvcache_gib: float = 1.0  # KV budget on CPU (capped at what max_num_seqs full sequences use)
+    # KV budget on CPU (capped at what max_num_seqs full sequences use)
+    cpu_kvcache_gib: float = 1.0
     enable_prefix_caching: bool = True
     dtype: str | torch.dtype = "auto"  # auto: the checkpoint's bf16/fp16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -43,6 +46,14 @@ class Config:
     # the order waiting requests are admitted in: "fcfs" (arrival), or "longest_first" (the most
     # output tokens a request may still produce first: see qwen3_model/engine/scheduler.py)
     scheduling_policy: str = "fcfs"
+    # True: generate / stream schedule and launch step k + 1 while the device runs step k, where
+    # no token of step k can end a sequence (see LLMEngine._steps); False: every step's tokens are
+    # read before the next step is scheduled. Same tokens either way.
+    overlap_steps: bool = True
+    # tensor parallel all-reduce: "custom" (ours, fused with the residual add + RMSNorm; CUDA,
+    # bf16 / fp16, 2..8 ranks), "nccl" (torch.distributed: NCCL on GPUs, gloo on CPU), or
+    # "auto": custom where it can run, else nccl (qwen3_model/distributed.py)
+    tp_all_reduce: str = "auto"
     # filled in __post_init__
     hf_config: object = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
@@ -80,9 +91,14 @@ class Config:
             )
         v = self.max_piecewise_graph_tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v % PIECEWISE_BUCKET:
-            bad("max_piecewise_graph_tokens", f"0 (off) or a positive multiple of {PIECEWISE_BUCKET}")
+            bad("max_piecewise_graph_tokens",
+                f"0 (off) or a positive multiple of {PIECEWISE_BUCKET}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             bad("scheduling_policy", f"one of {SCHEDULING_POLICIES}")
+        if not isinstance(self.overlap_steps, bool):
+            bad("overlap_steps", "True or False")
+        if self.tp_all_reduce not in TP_ALL_REDUCE_CHOICES:
+            bad("tp_all_reduce", f"one of {TP_ALL_REDUCE_CHOICES}")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", "'auto' or 'dummy'")
         if self.device == "auto":
@@ -107,7 +123,8 @@ class Config:
         elif self.dtype == "auto":
             if self.device == "cpu":
                 return torch.float32  # the CPU path runs the fp32 reference ops anyway
-            ckpt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            hf = self.hf_config
+            ckpt = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
             ckpt = _DTYPES.get(ckpt, ckpt) if isinstance(ckpt, str) else ckpt
             return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
         elif isinstance(self.dtype, str) and self.dtype in _DTYPES:

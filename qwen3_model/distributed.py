@@ -36,16 +36,17 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-# ---- the engine's eager collectives vs an abort from another thread -------------------------------
-# Rank 0 aborts NCCL from a watch thread the moment a worker dies (llm_engine._NcclWatch). torch's
+# ---- the engine's eager collectives vs an abort from another thread ----------------------------
+# Rank 0 aborts NCCL from a watch thread the moment a worker dies (engine/workers.py). torch's
 # abort holds the communicator's lock through ncclCommAbort, and on two H200s that abort did not
 # finish while a CUDA graph with a captured NCCL collective was still alive (it finishes once the
 # engine drops its graphs). A collective that rank 0's main thread calls meanwhile waits for the
 # same lock, so the engine never gets to drop its graphs: the kill test hung in dist.broadcast with
-# the abort thread in _abort_process_group (1 of 4 NCCL kills, 2026-11-30). So every collective the
+# the abort thread in _abort_process_group (1 of 4 NCCL kills). So every collective the
 # engine issues eagerly passes this gate, and the abort closes it first: closing waits for a call in
 # flight (a launch: microseconds), and from then on a collective raises at once instead of
-# entering NCCL. (The graphs' own collectives need no gate: a replay does not enter NCCL's host code.)
+# entering NCCL. (The graphs' own collectives need no gate: a replay does not enter NCCL's host
+# code.)
 _GATE = threading.Lock()
 _GATE_CLOSED = [False]
 
@@ -76,8 +77,6 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if get_tp_world_size() > 1:
         if _CUSTOM is not None and _CUSTOM.fits(x):
             return _CUSTOM(x)
-        if _ONE_SHOT is not None and _ONE_SHOT.fits(x):
-            return _ONE_SHOT(x)
         with _collective():
             dist.all_reduce(x)
     return x
@@ -87,32 +86,33 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H]: this rank's partial sum (a row-parallel layer's unreduced output); residual
     [T, H]; weight [H]. In place: residual += sum of x over the ranks; x = rms_norm(residual) *
-    weight; returns (x, residual). One kernel where the custom all-reduce is on and x fits
-    (ours, the default where it runs: decode sizes), else all_reduce + fused_add_rms_norm."""
+    weight; returns (x, residual). One kernel where our all-reduce is on (tp_all_reduce
+    'custom', what 'auto' picks where it runs) and x fits (up to CUSTOM_MAX_ROWS rows), else
+    all_reduce + fused_add_rms_norm."""
     import qwen3_kernels
 
-    if get_tp_world_size() > 1 and _CUSTOM is not None and _CUSTOM.fits(x) and _CUSTOM.fits(residual):
+    if (get_tp_world_size() > 1 and _CUSTOM is not None and _CUSTOM.fits(x)
+            and _CUSTOM.fits(residual)):
         return _CUSTOM.add_rms_norm(x, residual, weight, eps)
     return qwen3_kernels.fused_add_rms_norm(all_reduce(x), residual, weight, eps)
 
 
-# ---- the projection's GEMV sends its row itself (QWEN3_TP_PUSH) ----------------------------------
+# ---- the projection's GEMV sends its row itself (always, under our all-reduce) -----------------
 #
 # At one token (batch-1 decode), o_proj's and down_proj's GEMV stores its output row straight into
 # the peers' receive buffers of our all-reduce (qwen3_kernels.tp_gemv_push), each warp as soon as
 # its outputs are summed; the all-reduce + norm after it then only waits and adds (pushed=True).
 # The row's NVLink trip overlaps the GEMV's tail instead of following the all-reduce's start.
-# Two H200s (RESULTS.md, eighth session): 72 GEMV + all-reduce + norm pairs 12.6 vs 13.5 us a pair;
-# Qwen3-8B TP-2 batch 1 374.3 / 374.3 vs 366.6 / 367.1 tok/s with QWEN3_TP_PUSH=0 (alternating),
-# 1.71x TP 1 (218.9) in the same call.
-TP_PUSH = os.environ.get("QWEN3_TP_PUSH", "1") != "0"
+# Two H200s: 72 GEMV + all-reduce + norm pairs 12.6 vs 13.5 us a pair; Qwen3-8B TP-2 batch 1
+# 374.3 / 374.3 vs 366.6 / 367.1 tok/s without the push (alternating), 1.71x TP 1 (218.9) in the
+# same call (benchmarks/allreduce_latency.py, benchmarks/bench_engine.py).
 
 
 def push_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [1, K] @ weight [H, K]^T through tp_gemv_push, when our all-reduce is on and takes
     [1, H]; the next all-reduce of the result (``all_reduce_add_rms_norm`` / ``all_reduce``) then
     runs pushed. None when it does not apply: the caller runs its own linear."""
-    if not (TP_PUSH and get_tp_world_size() > 1 and _CUSTOM is not None and x.is_cuda
+    if not (get_tp_world_size() > 1 and _CUSTOM is not None and x.is_cuda
             and x.dim() == 2 and x.shape[0] == 1 and x.dtype == _CUSTOM.dtype
             and weight.dtype == x.dtype and weight.shape[0] == _CUSTOM.hidden
             and weight.shape[1] % 8 == 0 and weight.is_contiguous()):
@@ -120,87 +120,28 @@ def push_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return _CUSTOM.push_linear(x.contiguous(), weight)
 
 
-# ---- opt-in: one-shot all-reduce over torch's symmetric memory (P2P loads, no multicast) ----------
-#
-# NCCL takes 12.4 us per all-reduce of a [1, 4096] bf16 row between two H200s even inside a CUDA
-# graph (benchmarks/allreduce_latency.py, RESULTS.md 2026-11-30), and Qwen3-8B decode does 72 of
-# them a step. torch's one-shot all-reduce reads every peer's buffer directly over NVLink after one
-# device-side barrier. QWEN3_TP_ALLREDUCE=symm_mem turns it on for tensors of up to
-# ONE_SHOT_MAX_ROWS rows (decode); larger ones (prefill) stay on NCCL. Measured on two H200s
-# (RESULTS.md, 2026-11-30 evening): 7.5 vs 12.9 us per [1, 4096] all-reduce alone, same greedy
-# tokens as NCCL, but Qwen3-8B TP-2 batch-1 decode was slower with it (295.4 vs 303.9 tok/s), so
-# it stays off by default. Not checked: whether a killed worker still ends in an error with it on
-# (the one-shot barrier spins on the device, and aborting NCCL may not release it).
-
-ONE_SHOT_MAX_ROWS = 512
-_ONE_SHOT: "_OneShotAllReduce | None" = None
-
-
-class _OneShotAllReduce:
-    def __init__(self, max_numel: int, dtype: torch.dtype, device: torch.device):
-        # multicast must never be used on shared machines (it can take the host's GPUs out of
-        # service): the one-shot kernel needs plain peer loads only, so it is switched off here
-        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        # CUDA IPC peer memory, not NVSHMEM nor NCCL's window. It is torch's default allocator for
-        # CUDA tensors, and torch 2.11 does not list it by name: set_backend("CUDA") raised "does
-        # not find allocation backend CUDA" on the H200 (2026-11-30), so only switch when another
-        # backend was chosen before.
-        if symm_mem.get_backend(device) not in (None, "CUDA"):
-            symm_mem.set_backend("CUDA")
-        self.group_name = dist.group.WORLD.group_name
-        self.buf = symm_mem.empty(max_numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buf, self.group_name)
-        self.max_numel, self.dtype = max_numel, dtype
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return (x.dtype == self.dtype and x.is_cuda and x.is_contiguous()
-                and x.numel() <= self.max_numel)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged = self.buf[: x.numel()].view_as(x)  # the peers read this rank's copy from here
-        staged.copy_(x)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x)
-        return x
-
-
-# ---- the default: our one-shot all-reduce fused with the residual add + RMSNorm (custom) -----
+# ---- our one-shot all-reduce fused with the residual add + RMSNorm (tp_all_reduce="custom") -----
 #
 # qwen3_kernels.tp_all_reduce(_add_rms_norm) (csrc/kernels/custom_all_reduce.cu): each rank
 # stores its rows with a per-call flag straight into every peer's receive buffer (torch symmetric
 # memory: CUDA IPC peer mappings, no multicast), polls its own buffer until every peer's flag
 # arrived, sums in rank order and, after a row-parallel layer, does the residual add + RMSNorm in
 # the same kernel. One kernel instead of NCCL's all-reduce plus the norm. Tensors of up to
-# QWEN3_TP_CUSTOM_MAX_ROWS rows (default CUSTOM_MAX_ROWS) take it, larger ones stay on NCCL. A
+# CUSTOM_MAX_ROWS rows (decode steps and small mixed steps) take it, larger ones stay on NCCL. A
 # peer that never writes (dead) is waited for until the engine sets the abort word
 # (abort_custom_all_reduce, from its worker watch): the kernel then returns; with nobody setting
 # it the kernel traps after ~2^26 polls, so the launch fails instead of hanging.
-# Measured on two H200s (RESULTS.md, 2026-11-30, third session): 4.1 us per [1, 4096] bf16
-# all-reduce with the norm inside a CUDA graph (NCCL 12.9 us, and the norm is another kernel);
-# Qwen3-8B TP-2 batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1
-# on 7/8 prompts, as with NCCL. With the abort word, a killed worker makes the engine raise
-# (tests/test_engine_tp.py -k two_gpus and scripts/tp_kill_stress.py: 6 of 6 kills, 2026-11-30,
-# fourth session). So QWEN3_TP_ALLREDUCE unset ("auto") takes it wherever it runs (CUDA, bf16 /
-# fp16, 2..8 ranks, hidden % 8 == 0, the extension built) and NCCL elsewhere; "nccl" keeps NCCL.
+# Measured on two H200s: 4.1 us per [1, 4096] bf16 all-reduce with the norm inside a CUDA graph
+# (NCCL 12.9 us, and the norm is another kernel; benchmarks/allreduce_latency.py); Qwen3-8B TP-2
+# batch-1 decode 343.7-344.9 vs 307.5 tok/s with NCCL; TP-2 greedy tokens == TP 1 on 7/8 prompts,
+# as with NCCL. With the abort word, a killed worker makes the engine raise
+# (tests/test_engine_tp.py -k two_gpus and scripts/tp_kill_stress.py: 6 of 6 kills). So "auto"
+# takes it wherever it runs (CUDA, bf16 / fp16, 2..8 ranks, hidden % 8 == 0, the extension built)
+# and NCCL elsewhere; "nccl" keeps NCCL. (torch's one-shot all-reduce over symmetric memory
+# measured slower in the engine: 295.4 vs 303.9 tok/s against NCCL; not offered.)
 
-CUSTOM_MAX_ROWS = 512
+CUSTOM_MAX_ROWS = 512  # rows of the receive buffer: larger all-reduces go to NCCL
 _CUSTOM: "_CustomAllReduce | None" = None
-ALLREDUCE_CHOICES = ("auto", "nccl", "symm_mem", "custom")
-
-
-def custom_max_rows() -> int:
-    """QWEN3_TP_CUSTOM_MAX_ROWS (a positive int), or CUSTOM_MAX_ROWS when unset."""
-    raw = os.environ.get("QWEN3_TP_CUSTOM_MAX_ROWS", "")
-    if raw == "":
-        return CUSTOM_MAX_ROWS
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = 0
-    if rows < 1:
-        raise ValueError(f"QWEN3_TP_CUSTOM_MAX_ROWS must be a positive integer, got {raw!r}")
-    return rows
 
 
 class _CustomAllReduce:
@@ -211,18 +152,24 @@ class _CustomAllReduce:
         import qwen3_kernels
 
         if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"QWEN3_TP_ALLREDUCE=custom needs a float16 / bfloat16 model, got {dtype}")
+            raise ValueError(f"tp_all_reduce='custom' needs a float16 / bfloat16 model, "
+                             f"got {dtype}")
         if hidden % 8:
-            raise ValueError(f"QWEN3_TP_ALLREDUCE=custom needs hidden_size % 8 == 0, got {hidden}")
+            raise ValueError(f"tp_all_reduce='custom' needs hidden_size % 8 == 0, got {hidden}")
         if not qwen3_kernels.has_cuda_kernels():
-            raise RuntimeError("QWEN3_TP_ALLREDUCE=custom needs the built CUDA extension")
+            raise RuntimeError("tp_all_reduce='custom' needs the built CUDA extension")
         world, rank = get_tp_world_size(), get_tp_rank()
         if not 2 <= world <= 8:
-            raise ValueError(f"QWEN3_TP_ALLREDUCE=custom supports 2..8 ranks, got {world}")
-        # as _OneShotAllReduce: plain peer stores and loads only, never multicast
+            raise ValueError(f"tp_all_reduce='custom' supports 2..8 ranks, got {world}")
+        # Not a kernel switch: torch's own setting. Multicast must never be used on shared
+        # machines (it can take the host's GPUs out of service); our kernel needs plain peer
+        # stores and loads only, so torch's symmetric memory is told not to set it up.
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         from torch.distributed import _symmetric_memory as symm_mem
 
+        # CUDA IPC peer memory, not NVSHMEM nor NCCL's window: torch's default allocator for
+        # CUDA tensors, which torch 2.11 does not list by name (set_backend("CUDA") raised "does
+        # not find allocation backend CUDA" on an H200), so only switch when another was chosen.
         if symm_mem.get_backend(device) not in (None, "CUDA"):
             symm_mem.set_backend("CUDA")
         nbytes = qwen3_kernels.tp_all_reduce_buffer_bytes(max_rows, hidden, world)
@@ -288,23 +235,16 @@ class _CustomAllReduce:
         self.abort_flag.numpy()[0] = 1
 
 
-def allreduce_choice() -> str:
-    """QWEN3_TP_ALLREDUCE: 'auto' (unset: 'custom' where it runs, else NCCL), 'nccl', 'symm_mem'
-    or 'custom'; anything else is an error."""
-    choice = os.environ.get("QWEN3_TP_ALLREDUCE", "auto")
-    if choice not in ALLREDUCE_CHOICES:
-        raise ValueError(f"QWEN3_TP_ALLREDUCE must be one of {ALLREDUCE_CHOICES}, got {choice!r}")
-    return choice
-
-
-def init_one_shot_all_reduce(hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+def init_all_reduce(choice: str, hidden_size: int, dtype: torch.dtype,
+                    device: torch.device) -> bool:
     """Every rank, after the process group and before graph capture: set up the all-reduce that
-    QWEN3_TP_ALLREDUCE names ('custom': ours, fused with the norm, also what 'auto' / unset picks
-    where it runs; 'symm_mem': torch's one-shot); a collective: all ranks must call it (and all
-    decide alike: the same dtype, sizes and build). Returns whether one is on (False: NCCL)."""
-    global _ONE_SHOT, _CUSTOM
-    choice = allreduce_choice()
-    _ONE_SHOT = _CUSTOM = None
+    ``choice`` (Config.tp_all_reduce) names: 'custom' (ours, fused with the norm), 'nccl', or
+    'auto' (custom where it runs, else nccl). A collective: all ranks must call it (and all
+    decide alike: the same dtype, sizes and build). Returns whether ours is on (False: NCCL)."""
+    global _CUSTOM
+    if choice not in ("auto", "custom", "nccl"):
+        raise ValueError(f"tp_all_reduce must be 'auto', 'custom' or 'nccl', got {choice!r}")
+    _CUSTOM = None
     world = get_tp_world_size()
     if choice == "nccl" or world == 1:
         return False
@@ -315,13 +255,9 @@ def init_one_shot_all_reduce(hidden_size: int, dtype: torch.dtype, device: torch
                 and hidden_size % 8 == 0 and 2 <= world <= 8 and qwen3_kernels.has_cuda_kernels())
         if not runs:
             return False
-        choice = "custom"
     if device.type != "cuda":
-        raise ValueError(f"QWEN3_TP_ALLREDUCE={choice} needs CUDA devices")
-    if choice == "custom":
-        _CUSTOM = _CustomAllReduce(custom_max_rows(), hidden_size, dtype, device)
-    else:
-        _ONE_SHOT = _OneShotAllReduce(ONE_SHOT_MAX_ROWS * hidden_size, dtype, device)
+        raise ValueError("tp_all_reduce='custom' needs CUDA devices")
+    _CUSTOM = _CustomAllReduce(CUSTOM_MAX_ROWS, hidden_size, dtype, device)
     return True
 
 
@@ -333,10 +269,10 @@ def abort_custom_all_reduce() -> None:
         _CUSTOM.abort()
 
 
-def release_one_shot_all_reduce() -> None:
-    """Drop the symmetric buffers (before the process group goes)."""
-    global _ONE_SHOT, _CUSTOM
-    _ONE_SHOT = _CUSTOM = None
+def release_all_reduce() -> None:
+    """Drop our all-reduce's symmetric buffers (before the process group goes)."""
+    global _CUSTOM
+    _CUSTOM = None
 
 
 def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

@@ -35,12 +35,11 @@ from tests.test_engine_tp import _KILL_SCRIPT, pid_alive  # noqa: E402
 
 def run_once(path: str, allreduce: str, kill_at: int) -> tuple[bool, float, str]:
     """-> (passed, seconds, output)."""
-    env = dict(os.environ, QWEN3_TP_ALLREDUCE=allreduce)
-    args = [sys.executable, "-c", _KILL_SCRIPT, path, json.dumps(dict(num_kvcache_blocks=64)),
-            str(kill_at)]
+    llm_args = dict(num_kvcache_blocks=64, tp_all_reduce=allreduce)
+    args = [sys.executable, "-c", _KILL_SCRIPT, path, json.dumps(llm_args), str(kill_at)]
     t0 = time.monotonic()
     try:
-        out = subprocess.run(args, cwd=ROOT, timeout=150, capture_output=True, text=True, env=env)
+        out = subprocess.run(args, cwd=ROOT, timeout=150, capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:
         text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return False, time.monotonic() - t0, "TIMED OUT (150 s)\n" + text
@@ -59,7 +58,7 @@ def run_once(path: str, allreduce: str, kill_at: int) -> tuple[bool, float, str]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="nccl,custom", help="QWEN3_TP_ALLREDUCE values, comma-separated")
+    p.add_argument("--modes", default="nccl,custom", help="LLM(tp_all_reduce=...) values, comma-separated")
     p.add_argument("--per-mode", type=int, default=2, help="runs of each mode in one wave")
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--kill-at", default="1,2,3,6", help="streamed items to kill at, cycled through")

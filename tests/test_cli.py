@@ -39,8 +39,8 @@ def test_help_lists_every_option():
                  "--stop", "--stop-token-id", "--dtype", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enforce-eager", "--max-piecewise-graph-tokens", "--no-prefix-caching",
-                 "--scheduling-policy",
-                 "--tensor-parallel-size"]:
+                 "--scheduling-policy", "--tensor-parallel-size", "--tp-all-reduce",
+                 "--no-overlap-steps"]:
         assert flag in text, flag
 
 
@@ -52,6 +52,10 @@ def test_engine_flags_reach_the_engine():
          "longest_first", "--max-num-batched-tokens", "320"]))
     assert kw["max_piecewise_graph_tokens"] == 64 and kw["scheduling_policy"] == "longest_first"
     assert kw["max_num_batched_tokens"] == 320
+    assert kw["tp_all_reduce"] == "auto" and kw["overlap_steps"] is True
+    kw = engine_kwargs(build_parser().parse_args(
+        ["--model", "m", "--tp-all-reduce", "nccl", "--no-overlap-steps"]))
+    assert kw["tp_all_reduce"] == "nccl" and kw["overlap_steps"] is False
 
 
 # The rest runs main() in this process: a subprocess pays the torch + transformers import again.
@@ -104,3 +108,11 @@ def test_scheduling_policy_choices_are_the_configs():
 
     action = next(a for a in build_parser()._actions if "--scheduling-policy" in a.option_strings)
     assert tuple(action.choices) == SCHEDULING_POLICIES
+
+
+def test_tp_all_reduce_choices_are_the_configs():
+    from qwen3_model.__main__ import build_parser
+    from qwen3_model.config import TP_ALL_REDUCE_CHOICES
+
+    action = next(a for a in build_parser()._actions if "--tp-all-reduce" in a.option_strings)
+    assert tuple(action.choices) == TP_ALL_REDUCE_CHOICES

@@ -13,7 +13,6 @@ import gc
 import pytest
 import torch
 
-from qwen3_kernels import elementwise_tuning
 from qwen3_model import LLM, SamplingParams
 from qwen3_model.random_checkpoint import write_random_checkpoint
 from tests.helpers import rel_err, requires_cuda
@@ -67,13 +66,9 @@ def assert_kv_changed_only_at(before: torch.Tensor, after: torch.Tensor, slots: 
     assert not (changed & ~expect).any()
 
 
-def test_cuda_graph_decode_equals_eager_decode(ckpt, monkeypatch):
+def test_cuda_graph_decode_equals_eager_decode(ckpt):
     # 8 requests = a graph bucket, all finishing together: the eager and the graph decode run the
-    # same kernels on the same shapes, so greedy tokens must be identical. The graphs capture the
-    # GEMV's pdl_early_late launch (eager keeps the process default): the launch may not change a
-    # bit, and the process-wide choice is back to what it was once they are captured.
-    monkeypatch.delenv("QWEN3_GEMV_VARIANT", raising=False)
-    gemv_before = elementwise_tuning.current("gemv")
+    # same kernels on the same shapes, so greedy tokens must be identical.
     prompts = prompts_of([1, 16, 32, 7, 100, 257, 33, 64])
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     kw = dict(kvcache_block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
@@ -82,7 +77,6 @@ def test_cuda_graph_decode_equals_eager_decode(ckpt, monkeypatch):
     llm = LLM(ckpt, gpu_memory_utilization=0.2, **kw)  # KV cache sized from free memory
     runner = llm.model_runner
     assert runner.num_blocks > 100 and 8 in runner.graphs
-    assert elementwise_tuning.current("gemv") == gemv_before
     graph_out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert runner.num_graph_steps >= 30, "decode steps did not replay graphs"
     del llm, runner
@@ -235,16 +229,13 @@ def test_tp2_fp32_matches_transformers(tmp_path):
 
 
 @requires_2_gpus
-@pytest.mark.parametrize("allreduce", ["auto", "nccl", "symm_mem", "custom"])
-def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
+@pytest.mark.parametrize("allreduce", ["auto", "nccl", "custom"])
+def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce):
     """TP=2 with graph-replayed decode (all-reduce inside the graphs) gives TP=1's greedy tokens,
-    with the default (auto: ours), NCCL's all-reduce, the opt-in one-shot one
-    (QWEN3_TP_ALLREDUCE=symm_mem) and ours fused with the residual add + RMSNorm
-    (QWEN3_TP_ALLREDUCE=custom). The TP engine's graphs take the GEMV's pdl_early launch; the
-    process-wide choice is back to what it was once they are captured.
+    with the default (auto: ours), NCCL's all-reduce and ours fused with the residual add +
+    RMSNorm (tp_all_reduce='custom').
     The two sum the row-parallel layers in another order in bf16, so a near-tie may still flip a
     late token: every prompt's first token and most prompts' 24 tokens must be equal."""
-    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", allreduce)  # the spawned worker inherits it
     prompts = prompts_of([5, 17, 64, 100, 3, 33, 48, 9], seed=4)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(kvcache_block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
@@ -253,11 +244,8 @@ def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
     ref = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
     del one
     free_cuda()
-    monkeypatch.delenv("QWEN3_GEMV_VARIANT", raising=False)
-    gemv_before = elementwise_tuning.current("gemv")
-    two = LLM(stable_ckpt, tensor_parallel_size=2, **kw)
+    two = LLM(stable_ckpt, tensor_parallel_size=2, tp_all_reduce=allreduce, **kw)
     try:
-        assert elementwise_tuning.current("gemv") == gemv_before
         outs = [o.token_ids for o in two.generate(prompts, sp, use_tqdm=False)]
         assert two.model_runner.num_graph_steps > 0
     finally:
@@ -269,27 +257,3 @@ def test_tp2_bf16_with_cuda_graphs(stable_ckpt, allreduce, monkeypatch):
           f"on {equal}/8 prompts; "
           f"equal prefix per prompt {prefix}")
     assert all(p >= 1 for p in prefix) and equal >= 6, prefix
-
-
-def test_batch1_decode_chain_graph_equals_eager(ckpt, monkeypatch):
-    """One sequence with QWEN3_DECODE_CHAIN=1: every decode step runs the decode_chain kernel (on
-    sm_90), in the bucket-1 graph and eagerly; the kernel is deterministic, so greedy tokens must
-    be identical."""
-    monkeypatch.setenv("QWEN3_DECODE_CHAIN", "1")
-    prompts = prompts_of([37])
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    kw = dict(kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024)
-    llm = LLM(ckpt, gpu_memory_utilization=0.2, **kw)
-    runner = llm.model_runner
-    chain = runner.model.model.uses_decode_chain(1)
-    if torch.cuda.get_device_capability() == (9, 0):
-        assert chain, "the batch-1 step should run decode_chain on sm_90"
-    graph_out = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert runner.num_graph_steps >= 40
-    del llm, runner
-    free_cuda()
-    eager = LLM(ckpt, enforce_eager=True, num_kvcache_blocks=256, **kw)
-    eager_out = [o.token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
-    del eager
-    free_cuda()
-    assert graph_out == eager_out

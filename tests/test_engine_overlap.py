@@ -54,8 +54,7 @@ def workload(vocab, eos_too: bool):
 
 
 def run(path, monkeypatch, overlap: bool, prompts, params, **kw):
-    monkeypatch.setenv("QWEN3_OVERLAP_STEPS", "1" if overlap else "0")
-    llm = LLM(path, kvcache_block_size=BS, **kw)
+    llm = LLM(path, kvcache_block_size=BS, overlap_steps=overlap, **kw)
     log = []
     schedule = llm.scheduler.schedule
 
@@ -113,8 +112,8 @@ def test_overlapped_steps_equal_step_by_step(ckpt, monkeypatch, eos_too, kw):
 
 def test_stream_stopped_early_leaves_no_placeholder(ckpt, monkeypatch):
     path, cfg = ckpt
-    monkeypatch.setenv("QWEN3_OVERLAP_STEPS", "1")
-    llm = LLM(path, kvcache_block_size=BS, max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(path, kvcache_block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
+              overlap_steps=True)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     seen = []
     for delta in llm.stream([[5, 6, 7], [8, 9]], sp):

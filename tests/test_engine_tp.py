@@ -5,6 +5,7 @@ all leave no process behind, and a dead worker is named in a RuntimeError."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -253,7 +254,7 @@ def bf16_ckpt(tmp_path_factory):
 @pytest.mark.parametrize("which,allreduce", [("fp32_eager", "nccl"), ("bf16_graphs", "nccl"),
                                              ("fp32_eager", "custom"), ("bf16_graphs", "custom")])
 def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(which, allreduce, request):
-    """On two GPUs, with NCCL's all-reduce and with ours (QWEN3_TP_ALLREDUCE=custom, whose kernel
+    """On two GPUs, with NCCL's all-reduce and with ours (tp_all_reduce='custom', whose kernel
     the engine's abort word releases). ("fp32_eager": the tiny fp32 checkpoint, which the engine
     runs in bf16 with the reference attention, eagerly.)"""
     import subprocess
@@ -262,9 +263,9 @@ def test_killed_worker_on_two_gpus_raises_and_leaves_no_process(which, allreduce
     path = request.getfixturevalue("ckpt")[0] if which == "fp32_eager" else request.getfixturevalue("bf16_ckpt")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.monotonic()
-    env = dict(os.environ, QWEN3_TP_ALLREDUCE=allreduce)
-    out = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, path], cwd=root, timeout=150,
-                         capture_output=True, text=True, env=env)
+    args = json.dumps(dict(tp_all_reduce=allreduce))
+    out = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, path, args], cwd=root, timeout=150,
+                         capture_output=True, text=True)
     print(out.stdout, out.stderr[-6000:])
     pids = [int(p) for p in out.stdout.split("PIDS", 1)[1].split("\n", 1)[0].split()]
     if which == "bf16_graphs":

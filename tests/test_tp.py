@@ -170,47 +170,43 @@ def test_weight_loaders_split_like_vllm(monkeypatch, tp):
 
 
 def test_tp_allreduce_choice_is_checked(monkeypatch):
-    """QWEN3_TP_ALLREDUCE: 'auto' (default: ours where it runs, else NCCL), 'nccl', 'symm_mem' or
-    'custom'; anything else is a clear error; at world size 1 there is nothing to set up."""
+    """Config.tp_all_reduce: 'auto' (default: ours where it runs, else NCCL), 'custom' or 'nccl';
+    anything else is a clear error; at world size 1 there is nothing to set up."""
     from qwen3_model import distributed as d
 
-    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match=r"QWEN3_TP_ALLREDUCE must be one of \('auto', 'nccl', "
-                                         r"'symm_mem', 'custom'\), got 'fast'"):
-        d.init_one_shot_all_reduce(64, torch.float32, torch.device("cpu"))
-    for choice in ("symm_mem", "custom", "nccl", "auto"):
-        monkeypatch.setenv("QWEN3_TP_ALLREDUCE", choice)
-        assert d.init_one_shot_all_reduce(64, torch.float32, torch.device("cpu")) is False
-        assert d._CUSTOM is None and d._ONE_SHOT is None
-    monkeypatch.delenv("QWEN3_TP_ALLREDUCE")
-    assert d.allreduce_choice() == "auto"
+    with pytest.raises(ValueError, match=r"tp_all_reduce must be 'auto', 'custom' or 'nccl', "
+                                         r"got 'symm_mem'"):
+        d.init_all_reduce("symm_mem", 64, torch.float32, torch.device("cpu"))
+    for choice in ("custom", "nccl", "auto"):
+        assert d.init_all_reduce(choice, 64, torch.float32, torch.device("cpu")) is False
+        assert d._CUSTOM is None
 
-    # with 2 ranks: auto falls back to NCCL where ours cannot run (CPU, fp32); naming one is an error
+    # with 2 ranks: auto falls back to NCCL where ours cannot run (CPU, fp32); naming it is an error
     monkeypatch.setattr(d, "get_tp_world_size", lambda: 2)
     for device, dtype in (("cpu", torch.bfloat16), ("cpu", torch.float32)):
-        assert d.init_one_shot_all_reduce(64, dtype, torch.device(device)) is False
-        assert d._CUSTOM is None and d._ONE_SHOT is None
-    monkeypatch.setenv("QWEN3_TP_ALLREDUCE", "custom")
-    with pytest.raises(ValueError, match="QWEN3_TP_ALLREDUCE=custom needs CUDA devices"):
-        d.init_one_shot_all_reduce(64, torch.bfloat16, torch.device("cpu"))
+        assert d.init_all_reduce("auto", 64, dtype, torch.device(device)) is False
+        assert d._CUSTOM is None
+    with pytest.raises(ValueError, match="tp_all_reduce='custom' needs CUDA devices"):
+        d.init_all_reduce("custom", 64, torch.bfloat16, torch.device("cpu"))
 
 
-def test_custom_allreduce_max_rows_env(monkeypatch):
-    from qwen3_model import distributed as d
+def test_config_tp_all_reduce_is_checked(tmp_path):
+    from qwen3_model.config import Config
+    from qwen3_model.random_checkpoint import write_random_checkpoint
 
-    monkeypatch.delenv("QWEN3_TP_CUSTOM_MAX_ROWS", raising=False)
-    assert d.custom_max_rows() == d.CUSTOM_MAX_ROWS
-    monkeypatch.setenv("QWEN3_TP_CUSTOM_MAX_ROWS", "64")
-    assert d.custom_max_rows() == 64
-    for bad in ("0", "-3", "many", "1.5"):
-        monkeypatch.setenv("QWEN3_TP_CUSTOM_MAX_ROWS", bad)
-        with pytest.raises(ValueError, match=f"QWEN3_TP_CUSTOM_MAX_ROWS must be a positive integer, got '{bad}'"):
-            d.custom_max_rows()
+    write_random_checkpoint(str(tmp_path), "demo")
+    assert Config(str(tmp_path), device="cpu").tp_all_reduce == "auto"
+    for choice in ("custom", "nccl"):
+        assert Config(str(tmp_path), device="cpu", tp_all_reduce=choice).tp_all_reduce == choice
+    for bad in ("symm_mem", "NCCL", None):
+        with pytest.raises(ValueError, match=r"tp_all_reduce must be one of \('auto', 'custom', "
+                                             r"'nccl'\), got"):
+            Config(str(tmp_path), device="cpu", tp_all_reduce=bad)
 
 
 def test_all_reduce_add_rms_norm_without_custom_is_the_fused_norm():
     """World size 1 (no process group), custom path off: all_reduce_add_rms_norm is exactly
-    fused_add_rms_norm (the model's numbers with QWEN3_TP_ALLREDUCE unset do not change)."""
+    fused_add_rms_norm (the model's numbers at one rank do not change)."""
     from qwen3_model import distributed as d
 
     g = torch.Generator().manual_seed(3)

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from qwen3_model.config import Config
 from qwen3_model.distributed import (abort_custom_all_reduce, close_collectives, open_collectives,
-                                     release_one_shot_all_reduce)
+                                     release_all_reduce)
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
@@ -268,7 +268,7 @@ class LLMEngine:
 
     def _overlap(self) -> bool:
         """Whether generate / stream overlap the host's work with the device's (see _steps)."""
-        return os.environ.get("QWEN3_OVERLAP_STEPS", "1") != "0"
+        return self.config.overlap_steps
 
     def _tp_call(self, fn, *args, launch: bool = False):
         """runner.launch / runner.wait in the overlapped loop. With tensor-parallel workers a
@@ -288,7 +288,7 @@ class LLMEngine:
         """Run steps until every request is done; yields per step, in order, the sequences
         that got a token, those of them that finished, and the prefill and decode tokens.
 
-        Overlapped (one process, QWEN3_OVERLAP_STEPS unset or 1): while the device runs step k,
+        Overlapped (config.overlap_steps): while the device runs step k,
         the host schedules and launches step k + 1, then reads step k's tokens. That is valid
         when no sequence step k samples can be ended by a token's value (a stop id, EOS, a stop
         string; e.g. ignore_eos without stop ids): the scheduler then advances with
@@ -535,7 +535,7 @@ def _release_graphs(graphs: dict) -> None:
         graphs.clear()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    release_one_shot_all_reduce()  # its symmetric buffer was set up over the group too
+    release_all_reduce()  # its symmetric buffer was set up over the group too
 
 
 def _exit_when_orphaned(poll_s: float = 0.5) -> None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import qwen3_kernels
 from qwen3_model.config import PIECEWISE_BUCKET, Config
-from qwen3_model.distributed import broadcast_from_rank0, init_one_shot_all_reduce
+from qwen3_model.distributed import broadcast_from_rank0, init_all_reduce
 from qwen3_model.engine.scheduler import ScheduledBatch
 from qwen3_model.engine.sequence import Sequence
 from qwen3_model.layers.sampler import Sampler, SamplingBatch
@@ -160,15 +160,14 @@ def _prefer_cublaslt(use_cuda: bool):
     """torch's matmuls through cuBLASLt while the model runs (the projections that
     qwen3_kernels.linear hands to at::mm, and the LM head), restored after.
 
-    Measured (H200, Qwen3-8B workload, alternating in one call, two machines, RESULTS.md tenth
-    session): 10,011 / 10,000 tok/s against 9,920 / 9,952 with cuBLAS, and 9,760 / 9,731 against
+    Measured (H200, Qwen3-8B workload of benchmarks/bench_engine.py, alternating in one call, two
+    machines): 10,011 / 10,000 tok/s against 9,920 / 9,952 with cuBLAS, and 9,760 / 9,731 against
     9,675 / 9,655: every decode step ~1% faster (at 128 sequences o and down run nvjet 64x64
     without cuBLAS's split-K reduce after down; o at 256 tokens 16.8 against 18.4 us), prefill
     steps equal. Only while the model runs, so a program that embeds the engine keeps its own
-    choice for its own matmuls; TORCH_BLAS_PREFER_CUBLASLT, when set, decides instead (torch reads
-    it itself). torch warns once per process that the setting is experimental.
+    choice for its own matmuls. torch warns once per process that the setting is experimental.
     """
-    if not use_cuda or "TORCH_BLAS_PREFER_CUBLASLT" in os.environ:
+    if not use_cuda:
         yield
         return
     old = torch.backends.cuda.preferred_blas_library()
@@ -216,9 +215,9 @@ class ModelRunner:
 
             load_model(self.model, config.model)
         self.model.eval()
-        # QWEN3_TP_ALLREDUCE: ours unless 'nccl' (or symm_mem); a collective: every rank
+        # config.tp_all_reduce: ours unless 'nccl' or it cannot run; a collective: every rank
         if self.world_size > 1:
-            init_one_shot_all_reduce(hf.hidden_size, config.torch_dtype, self.device)
+            init_all_reduce(config.tp_all_reduce, hf.hidden_size, config.torch_dtype, self.device)
         self.sampler = Sampler()
         self.attn_modules = [m for m in self.model.modules()
                              if hasattr(m, "k_cache") and hasattr(m, "v_cache")]
@@ -810,27 +809,6 @@ class ModelRunner:
         finally:
             reset_context()
 
-    def _graph_gemv_variant(self):
-        """The GEMV launch the decode graphs keep (a graph keeps the variant set at capture).
-
-        'pdl_early_late' on one GPU: the GEMV's CTAs are scheduled once the kernel before has
-        let them (PDL), load their first weight stage before they wait for it, and let the next
-        kernel be scheduled only after their last store, so its CTAs spread evenly over empty SMs
-        (Qwen3-8B batch 1: 225.8-226.0 decode tok/s against 220.0-220.2 plain;
-        RESULTS.md, seventeenth session). Under tensor parallelism 'pdl_early' (the trigger at
-        the start; TP-2 rank shapes 1.8-4.6% faster per step than the plain launch, fifth and
-        sixth sessions); the late trigger is not yet measured there. QWEN3_GEMV_VARIANT, when
-        set, decides instead. Restored after capture: the choice is process-wide and other
-        engines in this process keep theirs. Both variants read the weight before the wait,
-        which is safe because no kernel of a step writes a weight.
-        """
-        from qwen3_kernels import elementwise_tuning
-
-        if "QWEN3_GEMV_VARIANT" in os.environ or not elementwise_tuning.available():
-            return contextlib.nullcontext()
-        return elementwise_tuning.variant(
-            "gemv", "pdl_early" if self.world_size > 1 else "pdl_early_late")
-
     def capture_piecewise(self, max_tokens: int) -> None:
         """Mixed steps of up to ``max_tokens`` tokens (rounded down to the bucket step) replay
         piecewise CUDA graphs cut at every attention (qwen3_model/engine/piecewise.py)."""
@@ -860,7 +838,7 @@ class ModelRunner:
         self.make_graph_buffers(max_bs)
         pool = None
         start = time.perf_counter()
-        with self._graph_gemv_variant(), _prefer_cublaslt(self.use_cuda):
+        with _prefer_cublaslt(self.use_cuda):
             for bs in reversed(self.graph_batch_sizes):
                 self.graph_forward(bs)  # warm-up outside the graph (lazy inits, autotuning)
                 graph = torch.cuda.CUDAGraph()

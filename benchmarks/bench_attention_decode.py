@@ -1,7 +1,6 @@
 """paged_attention_decode vs torch SDPA decode (q length 1) on the same K/V laid out dense.
 
-    cd benchmarks && pytest -q -s bench_attention_decode.py       # ours (defaults) vs the baselines
-    cd benchmarks && BENCH_DECODE_SWEEP=1 pytest -q -s bench_attention_decode.py -k sweep
+    cd benchmarks && pytest -q -s bench_attention_decode.py    # -> results/bench_attention_decode.json
 
 bf16, head_dim 128, GQA 32/8 and 16/8, block sizes 16 and 256. Every sequence of a case has the
 same context length so the dense baselines do exactly the same work.
@@ -16,17 +15,11 @@ Bytes that must move: K and V of every context read once, plus q and out. K/V se
 sets together exceed the 60 MB L2.
 Goals (TARGETS.md): >= 0.95x cuDNN at batch >= 16, context >= 2k; >= 1.0x cuDNN at batch 1, ctx 32k.
 
-The sweep (opt-in: BENCH_DECODE_SWEEP=1; block size BENCH_DECODE_SWEEP_BS, default 16) times every
-kernel variant x flag set (qwen3_kernels.decode_tuning; the switches are described at the top of
-csrc/kernels/attention/decode.cu) at the automatic split count and at each forced count, next to
-cuDNN, after checking each configuration's output. It prints one table per case (rows: variant and
-flags; columns: split counts; cells: us and cuDNN/ours; the auto cell also says which count the
-launcher chose) and the best configuration per case, and appends the tables to $BENCH_RESULTS.
-The evidence for choose_num_splits and the default variant / flags in decode.cu.
+The row's ratio is against cudnn. The kernel variants and launch flags that lost to the default
+are kept on branch experiment/kernel-launch-variants.
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -34,7 +27,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qwen3_kernels
-from qwen3_kernels import decode_tuning as dt
 from qwen3_kernels.ops import decode_workspace
 from common import rematch, sets_for, time_gpu
 
@@ -134,7 +126,8 @@ def test_paged_attention_decode(b, ctx, hq, hkv, bs, report):
         ours, baselines["cudnn"] = best["ours"], best["cudnn"]
         notes.append("ours, cudnn: best of 4, the last 3 alternating")
     report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs}", ours,
-           baselines, nbytes=nbytes, note="; ".join(notes))
+           baselines, nbytes=nbytes, baseline="cudnn", note="; ".join(notes),
+           headline=(hq, hkv, bs) == (32, 8, 16) and (b, ctx) in ((32, 4096), (1, 32768)))
 
 
 _BASELINES: dict = {}
@@ -142,24 +135,16 @@ _BASELINES: dict = {}
 
 # Batch 1 at a chat turn's short contexts (the batch-1 engine benchmark decodes at 128..640
 # tokens): the kernel is latency here, not bandwidth. The block tables are 4096 tokens wide, as the
-# engine's (max_model_len 4096), so the automatic split count is the one its graphs capture. Rows:
-# the default (w8s3c1, flags 7: interleave, fast combine, PDL; chunks of one tile per warp, so a
-# few hundred keys are read by several splits at once), the same with the fused combine (flags
-# 15), w8s3c2 (2 tiles per warp) with it, and w8s3 (4 tiles per warp: the default until the
-# seventh session) with flags 7 and 15; the ratio column is against that old default. Back-to-back
-# calls of one op, so PDL overlaps their launches: a kernel's cost in steady state, not its latency
-# between two other ops.
+# engine's (max_model_len 4096), so the split count the kernel picks is the one its graphs capture.
+# Back-to-back calls of one op, so PDL overlaps their launches: a kernel's cost in steady state.
 SHORT_CASES = [(1, 128), (1, 384), (1, 640), (1, 1024), (1, 2048)]
 SHORT_HEADS = [(32, 8), (16, 4)]  # Qwen3-8B, and one TP-2 rank of it
-SHORT_ROWS = [("w8s3c1", 7), ("w8s3c1", 15), ("w8s3c2", 15), ("w8s3", 7), ("w8s3", 15)]
 TABLE_WIDTH = 4096 // 16
 
 
 @pytest.mark.parametrize("hq,hkv", SHORT_HEADS)
 @pytest.mark.parametrize("b,ctx", SHORT_CASES)
 def test_decode_batch1_short_contexts(b, ctx, hq, hkv, report):
-    if not dt.available():
-        pytest.skip("the extension has no decode tuning hooks")
     scale = 1 / math.sqrt(D)
     nbytes = 2 * b * hkv * ctx * D * 2 + 2 * b * hq * D * 2
     sets = _make_sets(b, ctx, hq, hkv, 16)
@@ -167,22 +152,15 @@ def test_decode_batch1_short_contexts(b, ctx, hq, hkv, report):
         t = s["block_tables"]
         s["block_tables"] = torch.cat([t, t[:, :1].expand(b, TABLE_WIDTH - t.shape[1])], 1)
     calls = max(len(sets), 8)
-    times, splits = {}, {}
-    for variant, flags in SHORT_ROWS:
-        label = f"{variant} flags {flags}"
-        with dt.tuning(0, variant, flags):
-            _guard(sets[0], scale, label)
-            times[label] = _time_ours(sets, scale, calls)
-            splits[label] = dt.last_num_splits()
+    _guard(sets[0], scale)
+    ours = _time_ours(sets, scale, calls)
     baselines, notes = _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=True)
-    ours, old = "w8s3c1 flags 7", "w8s3 flags 7"  # the default, and the one before it
-    baselines[old] = times[old]
-    report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs=16 {ours} "
-           f"({splits[ours]} splits)", times[ours], baselines, nbytes=nbytes,
-           note="; ".join(notes))
-    line = ", ".join(f"{k} {v * 1e6:.2f} us ({splits[k]} splits)" for k, v in times.items())
-    print(f"\n[short] B={b} ctx={ctx} Hq/Hkv={hq}/{hkv}: cudnn "
-          f"{baselines.get('cudnn', float('nan')) * 1e6:.2f} us; {line}")
+    if "cudnn" in baselines:
+        best = rematch({"ours": _ours_fns(sets, scale), "cudnn": _cudnn_fns(sets, scale)},
+                       {"ours": ours, "cudnn": baselines["cudnn"]}, calls_per_replay=calls)
+        ours, baselines["cudnn"] = best["ours"], best["cudnn"]
+    report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs=16 short", ours,
+           baselines, nbytes=nbytes, baseline="cudnn", note="; ".join(notes))
 
 
 def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):
@@ -193,7 +171,7 @@ def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):
         notes.append(f"cudnn unavailable ({err})")
     else:
         baselines["cudnn"] = t
-    if only_cudnn:  # the sweep's yardstick
+    if only_cudnn:
         return baselines, notes
 
     rep = hq // hkv
@@ -224,88 +202,3 @@ def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):
     else:
         baselines["flex"] = t
     return baselines, notes
-
-
-# ---- tuning sweep (BENCH_DECODE_SWEEP=1) --------------------------------------------------------
-
-SWEEP = os.environ.get("BENCH_DECODE_SWEEP") == "1"
-SWEEP_BS = int(os.environ.get("BENCH_DECODE_SWEEP_BS", "16"))
-SWEEP_SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64]
-NEW_FLAGS = dt.INTERLEAVE | dt.FAST_COMBINE
-
-
-def _sweep_rows():
-    """(variant, flags) rows: every variant with the old flags, the new ones, the new ones + PDL;
-    then each flag alone on the default variant."""
-    rows = [(v, f) for v in dt.variants() for f in (0, NEW_FLAGS, NEW_FLAGS | dt.PDL)]
-    rows += [(dt.variants()[0], f) for f in (dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL)]
-    return rows
-
-
-def _fits(variant):
-    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 1 << 30)
-    return dt.variant_smem_bytes(variant) <= optin
-
-
-def _flag_label(flags):
-    return "+".join(n for bit, n in dt.FLAG_NAMES.items() if flags & bit) or "-"
-
-
-@pytest.mark.skipif(not SWEEP, reason="opt-in: BENCH_DECODE_SWEEP=1")
-@pytest.mark.parametrize("hq,hkv", HEADS)
-@pytest.mark.parametrize("b,ctx", CASES)
-def test_decode_sweep(b, ctx, hq, hkv):
-    if not dt.available():
-        pytest.skip("the extension has no decode tuning hooks")
-    bs = SWEEP_BS
-    scale = 1 / math.sqrt(D)
-    sets = _make_sets(b, ctx, hq, hkv, bs)
-    calls = max(len(sets), 8)
-    key = (b, ctx, hq, hkv)  # cuDNN from the plain benchmark of this process, else timed here
-    baselines = _BASELINES.get(key) or _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=True)
-    cudnn = baselines[0].get("cudnn")
-    # forced counts past one chunk (256 keys) per split only add empty CTAs
-    splits = [s for s in SWEEP_SPLITS if s == 1 or s <= ctx // 256]
-    cols = [0] + splits
-    table, results = [], []
-    for variant, flags in _sweep_rows():
-        cells = []
-        for ns in cols:
-            if not _fits(variant):
-                cells.append("n/a")
-                continue
-            if ns == 1 and flags & ~dt.PDL:  # one split: no combine, interleave means nothing
-                cells.append("=")
-                continue
-            with dt.tuning(ns, variant, flags):
-                what = f"{variant} {_flag_label(flags)} splits={ns or 'auto'}"
-                _guard(sets[0], scale, what)
-                chosen = dt.last_num_splits()
-                t = _time_ours(sets, scale, calls)
-            results.append((t, variant, flags, ns, chosen))
-            cell = f"{t * 1e6:.2f}" + (f" {cudnn / t:.2f}x" if cudnn else "")
-            cells.append(cell + (f" [{chosen}]" if ns == 0 else ""))
-        table.append(f"| {variant} | {_flag_label(flags)} | " + " | ".join(cells) + " |")
-
-    case = f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs}"
-    base = f"cudnn {cudnn * 1e6:.2f} us" if cudnn else "cudnn unavailable"
-    head = [f"\n### decode sweep: {case} ({base}; cell: our us, cudnn/ours, [auto's split count]; "
-            "'=' is the same kernel as the row without interleave / fast_combine)",
-            "| variant | flags | " + " | ".join(f"{s or 'auto'}" for s in cols) + " |",
-            "|---|---|" + "---|" * len(cols)]
-    results.sort(key=lambda r: r[0])
-    default = next(r for r in results if r[1] == dt.variants()[0] and r[2] == 0 and r[3] == 0)
-
-    def describe(r):
-        ratio = f" = {cudnn / r[0]:.2f}x cudnn" if cudnn else ""
-        return (f"{r[1]} flags={_flag_label(r[2])} splits={r[3] or 'auto'} ({r[4]}): "
-                f"{r[0] * 1e6:.2f} us{ratio}")
-
-    tail = [f"best: {describe(results[0])}", f"runner-up: {describe(results[1])}",
-            f"default: {describe(default)}"]
-    text = "\n".join(head + table + [""] + tail) + "\n"
-    print(text)
-    path = os.environ.get("BENCH_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(text)

@@ -1,22 +1,19 @@
 """Prefill attention: ours (paged, varlen) vs torch SDPA (cuDNN, flash) and flex_attention on the
 same problem laid out dense, bf16, head_dim 128, causal, no cached prefix.
 
-    cd benchmarks && pytest -q -s bench_attention_prefill.py
-
 FLOPs are counted exactly: 4 * D * Hq * (sum over queries of the keys each one sees), i.e. the
 causal half including the diagonal. Baselines get q [B, Hq, L, D] and k/v [B, Hkv, L, D]
 (enable_gqa, or K/V repeated to Hq heads where a backend refuses GQA, outside the timed region);
 ours reads K/V through a shuffled block table. A baseline that fails records "unavailable".
-"ours" is the kernel the device picks (on an H100/H200 the warp-specialised wgmma kernel with
-ping-pong and a 3-stage K/V ring: "ws3p", persistent, up to 8192 queries a sequence, "ws3", one
-CTA per work tile, above); "ours_mma_sync" the portable one; "ours_sm90" the single-role wgmma
-kernel; "ours_ws" ping-pong with 2 stages, "ours_ws_nopp" / "ours_ws3_nopp" without ping-pong,
-"ours_ws3" / "ours_ws3p" each explicitly (QWEN3_PREFILL_VARIANT).
+"ours" is the kernel the op picks for the device and shape; the row's ratio is against
+sdpa_cudnn (sdpa_masked for a prefix chunk). The variants that lost are kept on branch
+experiment/prefill-sm90-variants.
+
+    cd benchmarks && pytest -q -s bench_attention_prefill.py  # -> results/bench_attention_prefill.json
 """
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -120,54 +117,12 @@ def _check(out_packed, want):
     assert err < 2e-2, f"prefill output differs from SDPA (rel err {err:.3e})"
 
 
-# Our kernel paths, timed in one run: name -> (QWEN3_PREFILL_NO_WGMMA, QWEN3_PREFILL_VARIANT).
-# "ours" is the default (on an H100/H200 the warp-specialised kernel with ping-pong and 3 stages,
-# prefill_sm90_ws.cu: "ws3p", persistent, up to 8192 queries a sequence, "ws3" above);
-# "ours_sm90" the single-role wgmma kernel; ws3: one CTA per work tile; ws3p: persistent; ws:
-# ping-pong with 2 stages; ws_nopp / ws3_nopp: no ping-pong (2 / 3 stages).
-PATHS = {
-    "ours": (None, None),
-    "ours_mma_sync": ("1", None),
-    "ours_sm90": (None, "sm90"),
-    "ours_ws": (None, "ws"),
-    "ours_ws_nopp": (None, "ws_nopp"),
-    "ours_ws3_nopp": (None, "ws3_nopp"),
-    "ours_ws3": (None, "ws3"),
-    "ours_ws3p": (None, "ws3p"),
-}
-_ENV = ("QWEN3_PREFILL_NO_WGMMA", "QWEN3_PREFILL_VARIANT")
-
-
-def time_paths(ours, sets, want):
-    """({path: seconds}, notes) for every entry of PATHS, each checked against `want` first; a ws
-    variant that computes a wrong result is left out with a note (the row keeps the others).
-    The env vars are read at launch, so they hold through time_gpu's warm-up and graph capture."""
-    times, notes = {}, []
-    before = {k: os.environ.get(k) for k in _ENV}
-    try:
-        for name, values in PATHS.items():
-            for key, value in zip(_ENV, values):
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            sets[0]["out"].fill_(float("nan"))
-            ours(sets[0])()
-            try:
-                _check(sets[0]["out"], want)
-            except AssertionError as e:
-                if name != "ours" and name != "ours_mma_sync":  # alternatives: noted
-                    raise
-                notes.append(f"{name} WRONG ({e})")
-                continue
-            times[name] = time_gpu([ours(s) for s in sets], reps=20)
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return times, notes
+def time_ours(ours, sets, want):
+    """Seconds of our op on the rotated sets, after checking set 0's output against `want`."""
+    sets[0]["out"].fill_(float("nan"))
+    ours(sets[0])()
+    _check(sets[0]["out"], want)
+    return time_gpu([ours(s) for s in sets], reps=20)
 
 
 @pytest.mark.parametrize("batch,seqlen,hq,hkv,block_size", CASES)
@@ -187,9 +142,7 @@ def test_prefill(report, batch, seqlen, hq, hkv, block_size):
 
     want = F.scaled_dot_product_attention(sets[0]["q"], sets[0]["k"], sets[0]["v"],
                                           is_causal=True, scale=scale, enable_gqa=True)
-    times, notes = time_paths(ours, sets, want)
-    t_ours = times.pop("ours")
-    baselines = dict(times)
+    t_ours, notes, baselines = time_ours(ours, sets, want), [], {}
     for name, make in (
         ("sdpa_cudnn", lambda s: _sdpa_fn(SDPBackend.CUDNN_ATTENTION, s, scale)),
         ("sdpa_flash", lambda s: _sdpa_fn(SDPBackend.FLASH_ATTENTION, s, scale)),
@@ -199,7 +152,7 @@ def test_prefill(report, batch, seqlen, hq, hkv, block_size):
             baselines[name] = time_gpu([make(s) for s in sets], reps=20)
         except Exception as e:  # noqa: BLE001 - record and keep the row
             notes.append(f"{name} unavailable ({type(e).__name__})")
-    # ours was timed first, cuDNN after all our paths: time the two again, alternating (rematch).
+    # ours was timed first, cuDNN after it: time the two again, alternating (rematch).
     if "sdpa_cudnn" in baselines:
         best = rematch({"ours": [ours(s) for s in sets],
                         "sdpa_cudnn": [_sdpa_fn(SDPBackend.CUDNN_ATTENTION, s, scale) for s in sets]},
@@ -210,7 +163,8 @@ def test_prefill(report, batch, seqlen, hq, hkv, block_size):
     notes = [f"{k} {flops / t / 1e12:.0f} TFLOP/s" for k, t in baselines.items()] + notes
     report("paged_attention_prefill",
            f"causal B={batch} L={seqlen} Hq/Hkv={hq}/{hkv} bs={block_size}",
-           t_ours, baselines, flops=flops, note="; ".join(notes))
+           t_ours, baselines, flops=flops, baseline="sdpa_cudnn", note="; ".join(notes),
+           headline=(batch, seqlen, hq, block_size) in ((1, 4096, 32, 256), (8, 2048, 32, 256)))
 
 
 @pytest.mark.parametrize("lq,lk", [(2048, 8192), (512, 16384)])
@@ -245,9 +199,7 @@ def test_prefill_prefix_chunk(report, lq, lk):
                                               enable_gqa=True)
 
     want = sdpa_masked()
-    times, notes = time_paths(ours, sets, want)
-    t_ours = times.pop("ours")
-    baselines = dict(times)
+    t_ours, notes, baselines = time_ours(ours, sets, want), [], {}
     try:
         baselines["sdpa_masked"] = time_gpu(sdpa_masked, reps=20)
     except Exception as e:  # noqa: BLE001
@@ -266,4 +218,4 @@ def test_prefill_prefix_chunk(report, lq, lk):
     flops = 4 * D * hq * sum(offset + i + 1 for i in range(lq))
     notes = [f"{k} {flops / t / 1e12:.0f} TFLOP/s" for k, t in baselines.items()] + notes
     report("paged_attention_prefill", f"prefix chunk Lq={lq} Lk={lk} Hq/Hkv={hq}/{hkv}",
-           t_ours, baselines, flops=flops, note="; ".join(notes))
+           t_ours, baselines, flops=flops, baseline="sdpa_masked", note="; ".join(notes))

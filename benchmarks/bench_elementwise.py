@@ -1,7 +1,6 @@
 """silu_and_mul, rms_norm, fused_add_rms_norm vs torch eager and torch.compile of the reference.
 
-    cd benchmarks && pytest -q -s bench_elementwise.py
-    ELEMENTWISE_VARIANTS=auto pytest -q -s bench_elementwise.py   # the default launch only
+    cd benchmarks && pytest -q -s bench_elementwise.py     # -> results/bench_elementwise.json
 
 Bytes that must move: each input read once, each output written once. Inputs rotate through enough
 sets to exceed the L2 (60 MB); small-T cases replay a CUDA graph of many calls.
@@ -14,43 +13,24 @@ to a different rotated `out` every call. "compile_out" writes into the same rota
 launched): the like-for-like comparison for silu_and_mul and rms_norm. fused_add_rms_norm works in
 place, so its one compile baseline is already like for like.
 
-Launch variants (qwen3_kernels.elementwise_tuning; ELEMENTWISE_VARIANTS = all (default), auto, or a
-comma list): the plain row is the default ("auto"), each other variant gets a row "op[variant]"
-against the same baseline times. Norm variants differ only at T < 1024.
+The row's ratio is against compile_out (silu_and_mul, rms_norm) or compile (fused_add_rms_norm).
 """
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qwen3_kernels
-from qwen3_kernels import elementwise_tuning as et
 from qwen3_kernels import reference as ref
 from common import rematch, sets_for, time_gpu
 
 DT = torch.bfloat16
 EPS = 1e-6
 TOKENS = [16384, 256, 64, 16, 1]
-NORM_SMALL_T = 1024  # norm variants apply below this many rows (csrc/kernels/norm.cu kSmallT)
 
 
 def _compiled(fn):
     return torch.compile(fn, dynamic=False)
-
-
-def _variants(op: str, t: int) -> list[str]:
-    if not et.available():
-        return ["auto"]
-    names = et.variants(op)
-    if op == "norm" and t >= NORM_SMALL_T:
-        return ["auto"]  # every norm variant runs the same launch there
-    want = os.environ.get("ELEMENTWISE_VARIANTS", "all")
-    if want == "all":
-        return names
-    picked = [v.strip() for v in want.split(",") if v.strip()]
-    return ["auto"] + [v for v in picked if v in names and v != "auto"]
 
 
 def _kernels_per_call(fn) -> int:
@@ -67,30 +47,16 @@ def _kernels_per_call(fn) -> int:
         return -1
 
 
-def _ours_by_variant(op: str, t: int, fns) -> dict[str, float]:
-    times = {}
-    for v in _variants(op, t):
-        if et.available():
-            with et.variant(op, v):
-                times[v] = time_gpu(fns, calls_per_replay=64)
-        else:
-            times[v] = time_gpu(fns, calls_per_replay=64)
-    return times
-
-
-def _report_all(report, op, case, ours, baselines, nbytes, note="", paths=None):
-    """paths: name -> closures of ours ("ours", the default variant) and the compiled baselines,
-    timed again alternating (rematch) before the row is written: ours was timed first."""
-    if paths:
-        best = rematch(paths, {"ours": ours["auto"], **{k: baselines[k] for k in paths
-                                                          if k != "ours"}}, calls_per_replay=64)
-        ours["auto"] = best.pop("ours")
-        baselines.update(best)
-        note = (note + " " if note else "") + f"({', '.join(['ours', *best])}: best of 4, alternating)"
-    report(op, case, ours["auto"], baselines, nbytes=nbytes, note=note)
-    for v, s in ours.items():
-        if v != "auto":
-            report(f"{op}[{v}]", case, s, baselines, nbytes=nbytes)
+def _report_all(report, op, t, case, ours, baselines, nbytes, baseline, note, paths):
+    """paths: name -> closures of ours and the compiled baselines, timed again alternating
+    (rematch) before the row is written: ours was timed first."""
+    best = rematch(paths, {"ours": ours, **{k: baselines[k] for k in paths if k != "ours"}},
+                   calls_per_replay=64)
+    ours = best.pop("ours")
+    baselines.update(best)
+    note = f"{note} ({', '.join(['ours', *best])}: best of 4, alternating)"
+    report(op, case, ours, baselines, nbytes=nbytes, baseline=baseline, size=t, size_name="T",
+           note=note, headline=t == TOKENS[0])
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -107,16 +73,16 @@ def test_silu_and_mul(t, report):
 
     comp_out = _compiled(ref_out)
     ours_fns = [lambda x=x, o=o: qwen3_kernels.silu_and_mul(x, out=o) for x, o in zip(xs, outs)]
-    ours = _ours_by_variant("silu", t, ours_fns)
+    ours = time_gpu(ours_fns, calls_per_replay=64)
     eager = time_gpu([lambda x=x: F.silu(x[:, :inter]) * x[:, inter:] for x in xs], calls_per_replay=64)
     comp_fns = [lambda x=x: comp(x) for x in xs]
     comp_out_fns = [lambda x=x, o=o: comp_out(x, o) for x, o in zip(xs, outs)]
     compiled = time_gpu(comp_fns, calls_per_replay=64)
     compiled_out = time_gpu(comp_out_fns, calls_per_replay=64)
     k = _kernels_per_call(lambda: comp_out(xs[0], outs[0]))
-    _report_all(report, "silu_and_mul", f"T={t} I={inter}", ours,
+    _report_all(report, "silu_and_mul", t, f"T={t} I={inter}", ours,
                 {"eager": eager, "compile": compiled, "compile_out": compiled_out}, nbytes,
-                note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})",
+                "compile_out", note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})",
                 paths={"ours": ours_fns, "compile": comp_fns, "compile_out": comp_out_fns})
 
 
@@ -135,16 +101,16 @@ def test_rms_norm(t, report):
 
     comp_out = _compiled(ref_out)
     ours_fns = [lambda x=x, o=o: qwen3_kernels.rms_norm(x, w, EPS, out=o) for x, o in zip(xs, outs)]
-    ours = _ours_by_variant("norm", t, ours_fns)
+    ours = time_gpu(ours_fns, calls_per_replay=64)
     eager = time_gpu([lambda x=x: F.rms_norm(x, (h,), w, EPS) for x in xs], calls_per_replay=64)
     comp_fns = [lambda x=x: comp(x, w, EPS) for x in xs]
     comp_out_fns = [lambda x=x, o=o: comp_out(x, w, o) for x, o in zip(xs, outs)]
     compiled = time_gpu(comp_fns, calls_per_replay=64)
     compiled_out = time_gpu(comp_out_fns, calls_per_replay=64)
     k = _kernels_per_call(lambda: comp_out(xs[0], w, outs[0]))
-    _report_all(report, "rms_norm", f"T={t} H={h}", ours,
+    _report_all(report, "rms_norm", t, f"T={t} H={h}", ours,
                 {"eager F.rms_norm": eager, "compile": compiled, "compile_out": compiled_out},
-                nbytes, note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})",
+                nbytes, "compile_out", note=f"(compile_out: {k} kernel{'s' if k != 1 else ''})",
                 paths={"ours": ours_fns, "compile": comp_fns, "compile_out": comp_out_fns})
 
 
@@ -169,12 +135,12 @@ def test_fused_add_rms_norm(t, report):
     comp = _compiled(ref_inplace)
     ours_fns = [lambda x=x, r=r: qwen3_kernels.fused_add_rms_norm(x, r, w, EPS)
                 for x, r in zip(xs, rs)]
-    ours = _ours_by_variant("norm", t, ours_fns)
+    ours = time_gpu(ours_fns, calls_per_replay=64)
     eager = time_gpu([lambda x=x, r=r: eager_fn(x, r) for x, r in zip(xs, rs)], calls_per_replay=64)
     comp_fns = [lambda x=x, r=r: comp(x, r, w) for x, r in zip(xs, rs)]
     compiled = time_gpu(comp_fns, calls_per_replay=64)
     k = _kernels_per_call(lambda: comp(xs[0], rs[0], w))
-    _report_all(report, "fused_add_rms_norm", f"T={t} H={h}", ours,
-                {"eager": eager, "compile": compiled}, nbytes,
+    _report_all(report, "fused_add_rms_norm", t, f"T={t} H={h}", ours,
+                {"eager": eager, "compile": compiled}, nbytes, "compile",
                 note=f"(compile: {k} kernel{'s' if k != 1 else ''})",
                 paths={"ours": ours_fns, "compile": comp_fns})

@@ -12,10 +12,8 @@ import statistics
 
 import torch
 
-# The H200 ceilings measured for TARGETS.md (torch 2.11, CUDA 13.0, one card).
-H200_READ_TBS = 4.31  # read-only reduction over 2 GiB: the practical read ceiling
-H200_COPY_TBS = 4.2  # device-to-device copy, read + write
-H200_BF16_TFLOPS = 739.0  # cuBLAS 8192^3
+from record import H200_BF16_TFLOPS, H200_COPY_TBS, H200_READ_TBS  # noqa: F401 (one place)
+
 L2_BYTES = 60 * 1024 * 1024
 
 
@@ -88,8 +86,8 @@ def tflops(flops: float, seconds: float) -> float:
 def rematch(paths: dict, best: dict, rounds: int = 3, **time_kw) -> dict:
     """Times every named path again ``rounds`` times, alternating, and keeps each one's best.
 
-    The GPU runs a few % slower late in a long run (H200, 2026-11-30: the first path timed read up
-    to 4% faster than the same kernel timed later), which favours whatever a benchmark times
+    The GPU runs a few % slower late in a long run (on an H200 the first path timed read up to 4%
+    faster than the same kernel timed later), which favours whatever a benchmark times
     first, usually ours. Alternating gives every path the same share of early and late.
     paths: name -> closures, as time_gpu takes them; best: name -> seconds from the first timing
     (names missing from it start empty), lowered in place and returned. time_kw goes to time_gpu.

@@ -243,22 +243,17 @@ class LLMEngine:
         return seq
 
     def step(self) -> tuple[list[Sequence], int, int]:
-        """One scheduled forward. -> (sequences that got a token, prefill tokens, decode tokens)."""
-        if self._stopped is not None:
-            raise RuntimeError(f"LLM: {self._stopped}; make a new LLM to generate again")
+        """One scheduled forward, its tokens read. -> (sequences that got a token, prefill
+        tokens, decode tokens)."""
+        self._check_running()
         batch = self._schedule()
-        if not self._workers:
-            tokens = self.model_runner.run(batch)
-        else:
-            try:
-                if any(proc.exitcode is not None for proc, _ in self._workers):
-                    raise RuntimeError("a worker died between steps")  # _fail_tp names it
-                tokens = self.model_runner.run(batch)
-            except BaseException as e:
-                self._fail_tp(e)
-                raise
+        tokens = self._tp_call(self.model_runner.run, batch, launch=True)
         got = self.scheduler.postprocess(batch, tokens)
         return got, batch.num_prefill_tokens, len(batch.decodes)
+
+    def _check_running(self) -> None:
+        if self._stopped is not None:
+            raise RuntimeError(f"LLM: {self._stopped}; make a new LLM to generate again")
 
     def _schedule(self):
         batch = self.scheduler.schedule()
@@ -266,14 +261,10 @@ class LLMEngine:
             raise RuntimeError("the scheduler made an empty step with requests pending")
         return batch
 
-    def _overlap(self) -> bool:
-        """Whether generate / stream overlap the host's work with the device's (see _steps)."""
-        return self.config.overlap_steps
-
     def _tp_call(self, fn, *args, launch: bool = False):
-        """runner.launch / runner.wait in the overlapped loop. With tensor-parallel workers a
-        failure stops them all (``_fail_tp``), as in ``step``; ``launch`` first checks that no
-        worker died since the last step."""
+        """A runner call of a step (launch, wait, run). With tensor-parallel workers a failure
+        stops them all (``_fail_tp``); ``launch`` first checks that no worker died since the last
+        step."""
         if not self._workers:
             return fn(*args)
         try:
@@ -285,26 +276,22 @@ class LLMEngine:
             raise
 
     def _steps(self) -> Iterator[tuple[list[Sequence], list[Sequence], int, int]]:
-        """Run steps until every request is done; yields per step, in order, the sequences
-        that got a token, those of them that finished, and the prefill and decode tokens.
+        """The step loop: run steps until every request is done; yields per step, in order, the
+        sequences that got a token, those of them that finished, and the prefill and decode
+        tokens.
 
-        Overlapped (config.overlap_steps): while the device runs step k,
-        the host schedules and launches step k + 1, then reads step k's tokens. That is valid
-        when no sequence step k samples can be ended by a token's value (a stop id, EOS, a stop
-        string; e.g. ignore_eos without stop ids): the scheduler then advances with
-        placeholder tokens (``Scheduler.advance``), the runner feeds step k's sampled tokens to
-        step k + 1 on the device, and the values are filled in when read. The schedule, the
-        tokens and the outputs are those of the step-by-step loop; a step whose tokens can end a
-        sequence is waited for before anything else is scheduled.
+        With ``overlap_steps`` (the default), while the device runs step k the host schedules
+        and launches step k + 1, then reads step k's tokens. That is valid when no sequence step
+        k samples can be ended by a token's value (a stop id, EOS, a stop string; e.g.
+        ignore_eos without stop ids): the scheduler then advances with placeholder tokens
+        (``Scheduler.advance``), the runner feeds step k's sampled tokens to step k + 1 on the
+        device, and the values are filled in when read. A step whose tokens can end a sequence,
+        and every step without ``overlap_steps``, is waited for before anything else is
+        scheduled. The schedule, the tokens and the outputs are the same either way.
         """
         sched, runner = self.scheduler, self.model_runner
-        if not self._overlap():
-            while not self.is_finished():
-                got, n_prefill, n_decode = self.step()
-                yield got, sched.last_finished, n_prefill, n_decode
-            return
-        if self._stopped is not None:
-            raise RuntimeError(f"LLM: {self._stopped}; make a new LLM to generate again")
+        overlap = self.config.overlap_steps
+        self._check_running()
         inflight = None  # (batch, pending tokens, sequences with placeholders, finished) of step k
         try:
             while True:
@@ -320,7 +307,7 @@ class LLMEngine:
                 if launched is None:
                     return
                 batch, pending = launched
-                if sched.needs_tokens(pending.sample_seqs):
+                if not overlap or sched.needs_tokens(pending.sample_seqs):
                     got = sched.postprocess(batch, self._tp_call(runner.wait, pending))
                     yield got, sched.last_finished, batch.num_prefill_tokens, len(batch.decodes)
                 else:

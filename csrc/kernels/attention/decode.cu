@@ -1,7 +1,8 @@
 // paged_attention_decode: one new query token per sequence attends over its whole paged KV context
 // (GQA), split-KV ("flash-decoding") with a combine pass when the batch alone cannot fill the GPU.
 //
-// Spec: qwen3_kernels/reference.py::paged_attention_decode (fp32 softmax, output in the input dtype).
+// Spec: qwen3_kernels/reference.py::paged_attention_decode (fp32 softmax, output in the input
+// dtype).
 // head_dim is fixed at 128 and block_size must be a multiple of 16; the launcher returns
 // cudaErrorInvalidValue otherwise (the Python wrapper runs the reference for other head dims).
 //
@@ -14,22 +15,24 @@
 //   * A CTA owns one (sequence b, kv head, split). Its 16 "rows" are the q heads of that kv group
 //     (Hq / Hkv of them; the rest are zero padding; groups larger than 16 take several CTAs, each
 //     re-reading the K/V: a case Qwen3 does not have).
-//   * The keys of a sequence are cut into tiles of 16 (the smallest block size, so a tile never spans
-//     two cache blocks: one block-table lookup per tile). A "chunk" is 4 tiles per warp (256 keys
-//     with 4 warps; 1 or 2 tiles in the w8s3c1 / w8s3c2 variants, w8s3c1 the default at small
-//     batches); a non-empty split covers at least one chunk, so short sequences use fewer
-//     splits rather than many CTAs that each fill no pipeline. The split count itself is chosen on
-//     the host from B, Hkv, the SM count and the context's upper bound (max_blocks * block_size), so
-//     no host sync is needed and a CUDA graph replays correctly whatever seq_lens hold.
-//     Two ways to give tiles to splits (a run-time flag, see "Tuning" below):
-//       contiguous (default): the sequence's tiles, from its real length read on the device, are
-//         cut into num_splits equal ranges. The first block-table read waits on seq_lens.
-//       interleaved: split s takes chunks s, s + num_splits, s + 2 num_splits, ... Where a split
-//         starts no longer depends on seq_len, so the block-table and seq_lens reads overlap (one
-//         memory latency less before the first K/V byte arrives).
+//   * The keys of a sequence are cut into tiles of 16 (the smallest block size, so a tile never
+//     spans two cache blocks: one block-table lookup per tile). A "chunk" is kTilesPerWarpChunk
+//     tiles per warp (4 x 4 warps = 256 keys in the batch shape, 1 x 8 warps = 128 keys in the
+//     split shape, see "The launch" below); a non-empty split covers at least one chunk, so short
+//     sequences use fewer splits rather than many CTAs that each fill no pipeline. The split count
+//     itself is chosen on the host from B, Hkv, the SM count and the context's upper bound
+//     (max_blocks * block_size), so no host sync is needed and a CUDA graph replays correctly
+//     whatever seq_lens hold.
+//     Two ways to give tiles to splits:
+//       contiguous (batch shape): the sequence's tiles, from its real length read on the device,
+//         are cut into num_splits equal ranges. The first block-table read waits on seq_lens.
+//       interleaved (split shape): split s takes chunks s, s + num_splits, s + 2 num_splits, ...
+//         Where a split starts no longer depends on seq_len, so the block-table and seq_lens reads
+//         overlap (one memory latency less before the first K/V byte arrives).
 //   * Inside the CTA each warp takes every kWarps-th tile of the split (within a chunk) and runs
-//     its own cp.async pipeline (kStages stages of a 16-key K tile + V tile = 8 KB each) and its own
-//     online softmax; warps never wait for each other until the final merge through shared memory.
+//     its own cp.async pipeline (kStages stages of a 16-key K tile + V tile = 8 KB each) and its
+//     own online softmax; warps never wait for each other until the final merge through shared
+//     memory.
 //   * Math on tensor cores (mma.sync m16n8k16, fp32 accumulate): S = Q K^T with Q (16 rows x 128)
 //     held in registers for the whole kernel, P = softmax numerator rounded to the input dtype (as
 //     FlashAttention does), O += P V. This leaves the SM's issue slots nearly idle, which is what a
@@ -40,59 +43,54 @@
 //     the combine skips it. A sequence that fits in one chunk (all its keys in split 0) is
 //     written by split 0 directly even when several splits were launched, and the combine
 //     leaves it alone: the split count is fixed at capture, the length is not.
-//   * Fused combine (kFlagFusedCombine, a flag; not a default): no combine kernel. Each split
-//     CTA counts itself in an arrival counter of its (sequence, kv head, head chunk) after its
-//     partial is visible (__threadfence), and the CTA that arrives last merges every split's
-//     partial for its q heads and sets the counter back to 0 for the next call. This saves a
-//     kernel boundary per layer, which at batch 1 and a short context is most of the combine's
-//     cost (Qwen3-8B decode step: one split instead of eight was 1.9% faster at 128 tokens, 2.8%
-//     slower at 1024; H200, 2026-11-30). The counters are one zeroed int buffer per device
-//     (combine_counters), allocated outside graph capture and never freed (a captured graph
-//     keeps its address); a launch that finds it too small while capturing takes the combine
-//     kernel instead. Two launches on different streams of one device at the same time would
-//     share counters: the op's callers run decode on one stream at a time.
-//     Measured on top of the one-chunk path (decode_step.py, Qwen3-8B batch 1, w8s3 flags 15
-//     against 7, two pairs each; H200, 2026-11-30, sixth session): 0.7-1.0% faster at 128
-//     tokens, 0.5-0.8% at 384, 0.3% slower at 1024, 1.1-1.5% faster on a TP-2 rank's shapes at
-//     128; engine 217.4 vs 216.6 tok/s at TP 1 and 359.8 vs 357.6 at TP 2 (different calls).
-//     Too small and context-dependent to make it a default.
 //
-// Tuning (for benchmarks and tests; the defaults are the measured behaviour of 2026-11-29):
-//   variant   kernel shape, warps x stages: w4s3 (default: 96 KB smem, 2 CTAs per SM on H100/H200),
-//             w4s2 (64 KB, 3 per SM), w4s4 (128 KB), w4s6 (192 KB), w8s3 (192 KB: 8 warps; the
-//             last three run 1 CTA per SM with more bytes in flight per SM).
-//   splits    0 = choose_num_splits (the default), n > 0 forces n (capped by the workspace and 64).
-//   flags     kFlagInterleave (above), kFlagFastCombine (the combine kernel reads all its partials
-//             at once, one memory round trip, instead of a loop of dependent loads), kFlagPdl (the
-//             main kernel is launched with programmatic dependent launch too: it waits for the
-//             previous kernel at its very first instruction, so only its launch overlaps the
-//             previous kernel's tail; kernels trigger their dependents early), kFlagFusedCombine
-//             (the last split CTA merges the partials: no combine kernel; see above).
-//   Set from the environment once (QWEN3_DECODE_SPLITS=n, QWEN3_DECODE_VARIANT=name,
-//   QWEN3_DECODE_FLAGS=bits) or at any time through the exported C function
-//   qwen3_decode_set_tuning (qwen3_kernels/decode_tuning.py wraps it), which a benchmark calls
-//   between runs. The launcher reads three relaxed atomics per call: nothing on the hot path.
+// The launch (choose_launch, next to the host code below) is picked from the shape alone:
+//   batch shape (the batch's (sequence, kv head) CTAs fill every SM without splits): w4s3 = 4
+//     warps x 3 stages (96 KB of shared memory, 2 CTAs per SM on H100/H200), contiguous splits,
+//     the looping combine kernel, main kernel launched without PDL.
+//   split shape (the batch needs splits): w8s3c1 = 8 warps x 3 stages (192 KB, 1 CTA per SM) in
+//     chunks of one tile per warp, interleaved splits, the one-round-trip combine kernel (all of a
+//     (b, h)'s partials loaded at once instead of a loop of dependent loads) and PDL on the main
+//     kernel too (it waits for the previous kernel at its first instruction, so only its launch
+//     overlaps the previous kernel's tail). A GPU without 192 KB of shared memory per CTA (A100)
+//     runs the split shape's choices on w4s3.
+//   Measured on an H200 (bench_attention_decode.py, against cuDNN): batch shape B=32 ctx 4k
+//   0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x (w8s3 there: 0.93-0.97x); split shape B=16 ctx 2k
+//   0.96-1.02x, B=1 ctx 32k 1.01-1.05x (w4s3 there: 0.90-0.97x). Chunks of one tile per warp: at
+//   batch 1 a context of 384 / 640 / 1024 keys is read by 3 / 5 / 8 splits at once instead of 1 / 2
+//   / 2, 6.6 / 7.0 / 7.3 us instead of 8.2 / 11.4 / 11.1 for Qwen3-8B's heads (cuDNN 7.2 / 8.6 /
+//   7.6), the same at 128 keys, B=16 ctx 2k and B=1 ctx 32k; engine, Qwen3-8B batch 1: 219.8-219.9
+//   tok/s against 215.5-218.7, and 366.8-367.9 against 358.2-358.3 at TP 2.
+//
+// Variants that no shape picks (branch experiment/kernel-launch-variants keeps them, with the
+// QWEN3_DECODE_* switches that selected them):
+//   w4s2 (64 KB, 3 CTAs per SM), w4s4 (128 KB), w4s6 (192 KB), w8s3 (chunks of 4 tiles per warp):
+//     B=16 ctx 2k Hq/Hkv 32/8 (cuDNN 34.5 us, automatic split count, any flags): w4s2 38.2-39.0
+//     us, w4s4 43.2-44.3, w4s6 41.0-41.8, w8s3 36.5-37.1, w4s3 37.9-38.4 (bench_attention_decode.py
+//     sweep); w8s3 at batch 1 also in the chunk figures above.
+//   w8s3c2 (chunks of 2 tiles per warp), with the fused combine: batch 1, Qwen3-8B heads, 384 / 640
+//     / 1024 keys 8.42 / 8.84 / 8.97 us against w8s3c1's 6.63 / 6.99 / 7.29.
+//   Fused combine: no combine kernel; the split CTA that arrives last (an arrival counter per
+//     (sequence, kv head, head chunk)) merges every split's partial. Qwen3-8B decode step, batch
+//     1, on top of the one-chunk path (decode_step.py, w8s3): 0.7-1.0% faster at 128 tokens,
+//     0.5-0.8% at 384, 0.3% slower at 1024, 1.1-1.5% faster on a TP-2 rank's shapes at 128; engine
+//     217.4 vs 216.6 tok/s at TP 1 and 359.8 vs 357.6 at TP 2; with w8s3c1 it lost at TP 2
+//     (merging 31 splits' partials in one CTA). Too small and context-dependent to keep.
 //
 // Shared memory tiles are [16 keys][128 dims] with the 16-byte chunk index XOR-swizzled by
 // (row & 7), so ldmatrix (8 rows x 16 bytes per phase) and the cp.async writes are bank-conflict
 // free.
 //
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
-// arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so the
-// partial rows stay 16-byte aligned. Same bytes, private layout.
+// arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so
+// the partial rows stay 16-byte aligned. Same bytes, private layout.
 //
 // Not checked on the device (no bound is passed, and a check would need a host sync): block_tables
 // entries must be < num_blocks. seq_lens are clamped to [0, max_blocks * block_size]; a sequence of
 // length 0 gets a zero output.
-#include <algorithm>
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
-
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/mma.cuh"
-#include "qwen3_kernels/tuning.cuh"  // pdl_wait, pdl_launch_dependents, LaunchConfig, launch_ex
+#include "qwen3_kernels/launch.cuh"  // pdl_wait, pdl_launch_dependents, LaunchConfig, launch_ex
 
 namespace qwen3_kernels {
 namespace {
@@ -107,13 +105,6 @@ constexpr int kMaxSplits = 64;                  // combine kernels hold one weig
 constexpr int kCombineThreads = 128;            // one thread per dim
 static_assert(kTileElems * 2 / 16 == 8 * 32, "a tile is 8 16-byte chunks per lane");
 static_assert(kCombineThreads == kHeadDim, "the combine gives each thread one dim");
-
-// Run-time flags (see "Tuning" in the header).
-constexpr int kFlagInterleave = 1;
-constexpr int kFlagFastCombine = 2;
-constexpr int kFlagPdl = 4;
-constexpr int kFlagFusedCombine = 8;
-constexpr int kAllFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl | kFlagFusedCombine;
 
 // The kernel shape: warps per CTA, cp.async stages per warp, and tiles per warp in a chunk (the
 // unit of work a split takes: fewer tiles per chunk spread a short context over more splits).
@@ -131,25 +122,8 @@ struct Shape {
   static_assert(kThreads % kHeadDim == 0, "the merge gives each thread one dim of some rows");
   static_assert(kStages >= 2, "a pipeline needs a stage to fill while one is read");
 };
-
-// The variants the launcher can run, by index (QWEN3_DECODE_VARIANT / qwen3_decode_set_tuning).
-struct VariantInfo {
-  const char* name;
-  int warps, stages;
-};
-constexpr VariantInfo kVariants[] = {
-    {"w4s3", 4, 3},  // 0, the default: 96 KB of shared memory, 2 CTAs per SM on H100/H200
-    {"w4s2", 4, 2},  // 64 KB, 3 CTAs per SM: more CTAs to overlap one another's start and end
-    {"w4s4", 4, 4},  // 128 KB, 1 CTA per SM, 3 tiles in flight per warp
-    {"w4s6", 4, 6},  // 192 KB, 1 CTA per SM, 5 tiles in flight per warp
-    {"w8s3", 8, 3},  // 192 KB, 1 CTA per SM of 8 warps: 2 warps per scheduler hide mma latency
-    // w8s3 with chunks of 1 / 2 tiles per warp (128 / 256 keys) instead of 4 (512 keys): at batch
-    // 1 a context of a few hundred keys is read by several splits at once instead of by one CTA
-    // per kv head walking 4 tiles per warp in a row (each tile costs a memory latency).
-    {"w8s3c1", 8, 3},
-    {"w8s3c2", 8, 3},
-};
-constexpr int kNumVariants = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
+using BatchShape = Shape<4, 3>;     // w4s3: 96 KB of shared memory, 2 CTAs per SM on H100/H200
+using SplitShape = Shape<8, 3, 1>;  // w8s3c1: 192 KB, 1 CTA per SM, chunks of 1 tile per warp
 
 struct DecodeParams {
   void* out;                    // [B, Hq, 128]
@@ -168,7 +142,6 @@ struct DecodeParams {
   int interleave;               // 1: split s takes chunks s, s + num_splits, ... (else contiguous)
   int pdl;                      // 1: launched with PDL; wait for the previous grid first
   float scale_log2;             // softmax scale * log2(e): the kernel works in base 2
-  int* counters;                // [B * Hkv * head_chunks] split arrivals (fused combine), or null
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
@@ -183,7 +156,7 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // One warp, one (b, h): the weights w_s = 2^(lse_s - max lse) of the splits lane and lane + 32
 // (lse_a, lse_c; -inf past num_splits) and their sum over all splits (in every lane). A split that
 // saw no key (lse = -inf) weighs 0, so a caller that skips zero weights never reads its stale
-// (maybe NaN) partial. Shared by the fused combine and both combine kernels.
+// (maybe NaN) partial. Shared by both combine kernels.
 struct SplitWeights {
   float a, c;   // weights of splits lane and lane + 32
   float total;  // sum of all weights (0 when no split saw a key)
@@ -197,61 +170,14 @@ __device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_c) 
   return w;
 }
 
-// ---- fused combine ------------------------------------------------------------------------------
-
-// Every thread of a split CTA calls this once its partial (or its lse = -inf) is written. The CTA
-// that arrives last for (b, kv head, head chunk) merges all num_splits partials of its `rows` q
-// heads into out, as the combine kernels do, and re-arms the counter. smem: >= kRows * (kMaxSplits
-// + 1) floats, free to overwrite (the caller is done with it).
-template <typename T, int kThreads>
-__device__ __forceinline__ void combine_if_last(const DecodeParams& p, int64_t bh0, int rows,
-                                                int counter, float* smem) {
-  __shared__ int is_last;
-  __threadfence();  // this thread's partial stores are visible device-wide before the count
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + counter, 1) == p.num_splits - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // every other split counted itself after its stores: read them from L2 on
-  float* weight = smem;                   // [kRows][kMaxSplits]: 2^(lse_s - max), 0 if skipped
-  float* inv_total = smem + kRows * kMaxSplits;  // [kRows]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < rows; r += kThreads / 32) {
-    const float* lse = p.ws_lse + (bh0 + r) * p.max_splits;
-    const float a = lane < p.num_splits ? __ldcg(lse + lane) : -INFINITY;
-    const float c = lane + 32 < p.num_splits ? __ldcg(lse + lane + 32) : -INFINITY;
-    const SplitWeights w = split_weights(a, c);
-    weight[r * kMaxSplits + lane] = w.a;
-    weight[r * kMaxSplits + lane + 32] = w.c;
-    if (lane == 0) inv_total[r] = w.total > 0.f ? 1.f / w.total : 0.f;
-  }
-  __syncthreads();
-  const int d = threadIdx.x % kHeadDim;
-  for (int r = threadIdx.x / kHeadDim; r < rows; r += kThreads / kHeadDim) {
-    const float* part = p.ws_out + (bh0 + r) * p.max_splits * kHeadDim + d;
-    const float* w = weight + r * kMaxSplits;
-    float acc = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < p.num_splits; ++s) {
-      // a skipped split's stale row may hold NaN: never load it
-      const float v = w[s] != 0.f ? __ldcg(part + static_cast<int64_t>(s) * kHeadDim) : 0.f;
-      acc += w[s] * v;
-    }
-    static_cast<T*>(p.out)[(bh0 + r) * kHeadDim + d] = from_float<T>(acc * inv_total[r]);
-  }
-  if (threadIdx.x == 0) p.counters[counter] = 0;  // all splits have arrived: ready for next call
-}
-
 // ---- main kernel --------------------------------------------------------------------------------
 
 // grid (num_splits, Hkv * head_chunks, B), S::kThreads threads, S::kSmemBytes of dynamic smem.
-// kFused (split launches only, p.counters set): the last split CTA merges (combine_if_last). Its
-// own instantiation: with the merge code in the plain split kernel (not run, but compiled in),
-// ptxas scheduled the main loop differently and B=1 ctx 32k went from 37.8 to 43.7 us (H200
-// bisect over the commits that added it). Apart, the plain kernels' SASS equals what it was.
-template <typename T, bool kSplit, typename S, bool kFused = false>
+// Keep this loop free of code it does not run: with a merge step compiled into the split kernel
+// (not run), ptxas scheduled the main loop differently and B=1 ctx 32k went from 37.8 to 43.7 us
+// (H200, bench_attention_decode.py).
+template <typename T, bool kSplit, typename S>
 __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
-  static_assert(kSplit || !kFused, "the fused combine merges split partials");
   constexpr int kWarps = S::kWarps;
   constexpr int kStages = S::kStages;
   constexpr int kChunkTiles = S::kChunkTiles;
@@ -309,10 +235,6 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
       p.ws_lse[bh * p.max_splits + split] = -INFINITY;
     }
-    if constexpr (kFused)  // (uniform over the CTA: every thread reaches the barriers)
-      combine_if_last<T, S::kThreads>(p, static_cast<int64_t>(b) * p.num_q_heads + head0, rows,
-                                      blockIdx.z * gridDim.y + blockIdx.y,
-                                      reinterpret_cast<float*>(smem));
     return;
   }
   // The sequence tile of this warp's i-th tile.
@@ -325,7 +247,8 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   };
 
   // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero.
-  const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim;
+  const T* q = static_cast<const T*>(p.q) +
+               (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim;
   uint32_t qa[8][4];
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
@@ -344,7 +267,7 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   const int64_t block_stride = row_stride * p.block_size;
   const T* k_head = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kvh) * kHeadDim;
   const T* v_head = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kvh) * kHeadDim;
-  const int lane_chunk = lane & 15;  // each lane copies 16-byte chunk lane_chunk of rows lane/16 + 2j
+  const int lane_chunk = lane & 15;  // lane copies 16-byte chunk lane_chunk of rows lane/16 + 2j
 
   // The block id of the i-th tile of this warp, read one tile ahead of its copy so the copy never
   // waits on the block-table load. The index is clamped to the table rather than checked against
@@ -524,13 +447,6 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       if (d == 0) p.ws_lse[slot] = l > 0.f ? m + __log2f(l) : -INFINITY;
     }
   }
-  if constexpr (kFused) {
-    // (after the loop above read the merge buffers: it syncs first). A sequence written alone
-    // never counts arrivals: its other splits returned at once, and its counter stays 0.
-    if (!alone)
-      combine_if_last<T, S::kThreads>(p, static_cast<int64_t>(b) * p.num_q_heads + head0, rows,
-                                      blockIdx.z * gridDim.y + blockIdx.y, so);
-  }
 }
 
 // ---- combine kernels ----------------------------------------------------------------------------
@@ -546,7 +462,8 @@ __device__ __forceinline__ bool written_alone(const DecodeParams& p, int64_t bh)
 // w_s = 2^(lse_s - max lse). Splits that saw no key (lse = -inf) are skipped, so their stale
 // workspace rows (maybe NaN) are never read.
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) paged_decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kCombineThreads)
+    paged_decode_combine_kernel(const DecodeParams p) {
   __shared__ float weight[kMaxSplits];
   __shared__ float inv_total;
   const int64_t bh = blockIdx.x;
@@ -624,53 +541,6 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int w = 0; w < kCWarps; ++w) sum += redf[w * kHeadDim + d];
   static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(sw.total > 0.f ? sum / sw.total : 0.f);
 }
-
-// ---- tuning state -------------------------------------------------------------------------------
-
-// The default (variant index -1) picks per call, from the H200 measurements of 2026-11-30
-// (benchmarks/RESULTS.md): when the batch's (sequence, kv head) CTAs fill every SM without splits,
-// w4s3 without flags (2 CTAs per SM; B=32 ctx 4k 0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x, where
-// w8s3 measured 0.93-0.97x); otherwise (the batch needs splits) w8s3 with interleaved splits, the
-// one-round-trip combine and PDL (B=16 ctx 2k 0.96-1.02x, B=1 ctx 32k 1.01-1.05x; w4s3 0.90-0.97x),
-// in chunks of one tile per warp (w8s3c1, seventh session): at batch 1 a context of 384 / 640 /
-// 1024 keys is read by 3 / 5 / 8 splits at once instead of 1 / 2 / 2, 6.6 / 7.0 / 7.3 us instead
-// of 8.2 / 11.4 / 11.1 for Qwen3-8B's heads (cuDNN 7.2 / 8.6 / 7.6), the same at 128 keys, B=16
-// ctx 2k and B=1 ctx 32k; engine, Qwen3-8B batch 1: 219.8-219.9 tok/s against 215.5-218.7, and
-// 366.8-367.9 against 358.2-358.3 at TP 2. (w8s3c1 with the fused combine lost at TP 2: merging
-// 31 splits' partials in one CTA.) On a GPU without 192 KB of shared memory per CTA w8s3* falls
-// back to w4s3.
-constexpr int kAutoVariant = -1;
-constexpr int kSmallBatchVariant = 5;  // w8s3c1
-constexpr int kSmallBatchFlags = kFlagInterleave | kFlagFastCombine | kFlagPdl;
-
-struct Tuning {
-  std::atomic<int> splits{0};                 // 0 = choose_num_splits
-  std::atomic<int> variant{kAutoVariant};  // index into kVariants, or kAutoVariant
-  std::atomic<int> flags{0};               // kFlag* bits (kAutoVariant chooses its own)
-  std::atomic<int> last_splits{0};
-};
-
-int variant_index(const char* name) {
-  for (int i = 0; i < kNumVariants; ++i)
-    if (std::strcmp(name, kVariants[i].name) == 0) return i;
-  char* end = nullptr;
-  const long v = std::strtol(name, &end, 10);
-  return end != name && *end == '\0' && v >= 0 && v < kNumVariants ? static_cast<int>(v) : -1;
-}
-
-// The process-wide tuning, initialised once from the environment (bad values are ignored).
-Tuning& tuning() {
-  static Tuning* t = [] {
-    auto* s = new Tuning();
-    if (const char* e = std::getenv("QWEN3_DECODE_SPLITS")) s->splits = std::max(0, std::atoi(e));
-    if (const char* e = std::getenv("QWEN3_DECODE_VARIANT"))
-      s->variant = std::strcmp(e, "auto") == 0 ? kAutoVariant : std::max(0, variant_index(e));
-    if (const char* e = std::getenv("QWEN3_DECODE_FLAGS")) s->flags = std::atoi(e) & kAllFlags;
-    return s;
-  }();
-  return *t;
-}
-
 // ---- host side ----------------------------------------------------------------------------------
 
 constexpr int kMaxDevices = 64;
@@ -693,10 +563,23 @@ cudaError_t device_has_pdl(bool* has) {
   return cudaSuccess;
 }
 
+// Whether the current device gives one CTA SplitShape's shared memory (not on A100: 163 KB).
+// A failed query keeps SplitShape (its launch then reports the error).
+bool split_shape_fits() {
+  static int optin_smem[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return true;
+  if (optin_smem[dev] == 0 &&
+      cudaDeviceGetAttribute(&optin_smem[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess)
+    optin_smem[dev] = -1;
+  return optin_smem[dev] <= 0 || SplitShape::kSmemBytes <= optin_smem[dev];
+}
+
 // Resident CTAs of the main kernel per SM (w4s3: 1 on A100's 164 KB of shared memory, 2 on
 // H100/H200), queried once per device. Also raises the kernel's dynamic shared memory limit, which
 // is per device. A shape that does not fit the device's shared memory fails here.
-template <typename T, bool kSplit, typename S, bool kFused = false>
+template <typename T, bool kSplit, typename S>
 cudaError_t prepare_kernel(int* ctas_per_sm) {
   static int cached[kMaxDevices] = {};
   int dev = 0;
@@ -706,7 +589,7 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
     *ctas_per_sm = cached[dev];
     return cudaSuccess;
   }
-  auto kernel = paged_decode_kernel<T, kSplit, S, kFused>;
+  auto kernel = paged_decode_kernel<T, kSplit, S>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
   if (err != cudaSuccess) return err;
   int n = 0;
@@ -741,40 +624,22 @@ int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits, int
   return cap;
 }
 
-// The fused combine's arrival counters: one zeroed int buffer per device, at least n ints, or
-// nullptr when it would have to grow during stream capture (the caller then launches the combine
-// kernel). Grown outside capture (the engine's eager warm-up before each capture does it), never
-// freed: a captured graph keeps the address it was captured with. Every launch leaves it zero.
-int* combine_counters(int64_t n, cudaStream_t stream) {
-  struct Buffer {
-    int* ptr = nullptr;
-    int64_t size = 0;
-  };
-  static std::mutex mutex;
-  static Buffer buffers[kMaxDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) return nullptr;
-  std::lock_guard<std::mutex> lock(mutex);
-  Buffer& buf = buffers[dev];
-  if (buf.size >= n) return buf.ptr;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess ||
-      status != cudaStreamCaptureStatusNone)
-    return nullptr;
-  const int64_t size = n > (int64_t{1} << 16) ? n : (int64_t{1} << 16);
-  int* ptr = nullptr;
-  if (cudaMalloc(&ptr, size * sizeof(int)) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: fall back to the combine kernel
-    return nullptr;
-  }
-  if (cudaMemsetAsync(ptr, 0, size * sizeof(int), stream) != cudaSuccess ||
-      cudaStreamSynchronize(stream) != cudaSuccess) {  // zero before any stream's first use
-    (void)cudaGetLastError();
-    (void)cudaFree(ptr);
-    return nullptr;
-  }
-  buf = Buffer{ptr, size};  // the old buffer stays allocated (see above)
-  return ptr;
+// What the launch does besides the kernel shape (see "The launch" in the header).
+struct LaunchChoice {
+  bool split_shape;   // SplitShape (w8s3c1) rather than BatchShape (w4s3)
+  bool interleave;    // splits take interleaved chunks (else contiguous ranges)
+  bool fast_combine;  // the one-round-trip combine kernel (else the looping one)
+  bool pdl;           // the main kernel waits on the previous one under PDL (where the GPU has it)
+};
+
+// The one place the launch is chosen, from the shape alone. When the batch's (sequence, kv head)
+// CTAs fill every SM without splits: w4s3 with no flags; otherwise w8s3c1 with interleaved splits,
+// the fast combine and PDL (measurements in the header). On a GPU where w8s3c1 does not fit, the
+// same flags on w4s3.
+LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms) {
+  const bool fills_gpu = int64_t{batch} * kv_ctas >= num_sms;
+  if (fills_gpu) return LaunchChoice{false, false, false, false};
+  return LaunchChoice{split_shape_fits(), true, true, true};
 }
 
 // cudaLaunchKernelEx with the PDL attribute when asked for (and the device has it).
@@ -785,8 +650,8 @@ cudaError_t launch_pdl(Kernel kernel, dim3 grid, int threads, int smem, bool pdl
 }
 
 template <typename T, typename S>
-cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forced_splits,
-                   int flags, cudaStream_t stream) {
+cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const LaunchChoice& c,
+                   cudaStream_t stream) {
   int ctas_per_sm = 1, unused = 1;
   cudaError_t err = prepare_kernel<T, true, S>(&ctas_per_sm);
   if (err != cudaSuccess) return err;
@@ -799,14 +664,9 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
   const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
   p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
                                    S::kChunkTiles);
-  if (forced_splits > 0) {
-    const int cap = p.max_splits < kMaxSplits ? p.max_splits : kMaxSplits;
-    p.num_splits = forced_splits < cap ? forced_splits : cap;
-  }
   p.chunk_tiles = S::kChunkTiles;
-  tuning().last_splits.store(p.num_splits, std::memory_order_relaxed);
-  p.interleave = (flags & kFlagInterleave) ? 1 : 0;
-  p.pdl = (flags & kFlagPdl) && has_pdl ? 1 : 0;
+  p.interleave = c.interleave ? 1 : 0;
+  p.pdl = c.pdl && has_pdl ? 1 : 0;
   const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
   if (p.num_splits == 1) {
     if (p.pdl)
@@ -815,59 +675,20 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, int forc
     paged_decode_kernel<T, false, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     return cudaGetLastError();
   }
-  if (flags & kFlagFusedCombine)
-    p.counters = combine_counters(int64_t{batch} * p.num_kv_heads * p.head_chunks, stream);
-  if (p.counters != nullptr) {  // fused: no combine kernel
-    err = prepare_kernel<T, true, S, true>(&unused);
-    if (err != cudaSuccess) return err;
-    return launch_pdl(paged_decode_kernel<T, true, S, true>, grid, S::kThreads, S::kSmemBytes,
-                     p.pdl != 0, stream, p);
-  }
   if (p.pdl) {
-    err = launch_pdl(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true, stream,
-                    p);
+    err = launch_pdl(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true,
+                     stream, p);
   } else {
     paged_decode_kernel<T, true, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) return err;
   const dim3 cgrid(batch * p.num_q_heads);
-  if (flags & kFlagFastCombine)
+  if (c.fast_combine)
     return launch_pdl(paged_decode_combine_fast_kernel<T>, cgrid, kCombineThreads, 0, has_pdl,
                      stream, p);
   return launch_pdl(paged_decode_combine_kernel<T>, cgrid, kCombineThreads, 0, has_pdl, stream, p);
 }
-
-template <typename T>
-cudaError_t launch_variant(int variant, DecodeParams p, int batch, int max_ctx, int num_sms,
-                           int forced_splits, int flags, cudaStream_t stream) {
-  const int f = forced_splits;
-  // A shape whose shared memory the device cannot give one CTA (A100: 163 KB) runs as w4s3.
-  static int optin_smem[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess && dev < kMaxDevices) {
-    if (optin_smem[dev] == 0 &&
-        cudaDeviceGetAttribute(&optin_smem[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-            cudaSuccess)
-      optin_smem[dev] = -1;
-    const int need = variant == 1   ? Shape<4, 2>::kSmemBytes
-                     : variant == 2 ? Shape<4, 4>::kSmemBytes
-                     : variant == 3 ? Shape<4, 6>::kSmemBytes
-                     : variant >= 4 ? Shape<8, 3>::kSmemBytes
-                                    : 0;
-    if (optin_smem[dev] > 0 && need > optin_smem[dev]) variant = 0;
-  }
-  switch (variant) {
-    case 1: return launch<T, Shape<4, 2>>(p, batch, max_ctx, num_sms, f, flags, stream);
-    case 2: return launch<T, Shape<4, 4>>(p, batch, max_ctx, num_sms, f, flags, stream);
-    case 3: return launch<T, Shape<4, 6>>(p, batch, max_ctx, num_sms, f, flags, stream);
-    case 4: return launch<T, Shape<8, 3>>(p, batch, max_ctx, num_sms, f, flags, stream);
-    case 5: return launch<T, Shape<8, 3, 1>>(p, batch, max_ctx, num_sms, f, flags, stream);
-    case 6: return launch<T, Shape<8, 3, 2>>(p, batch, max_ctx, num_sms, f, flags, stream);
-    default: return launch<T, Shape<4, 3>>(p, batch, max_ctx, num_sms, f, flags, stream);
-  }
-}
-static_assert(kNumVariants == 7, "launch_variant's switch lists every variant");
 
 }  // namespace
 
@@ -905,75 +726,11 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   const int max_ctx = max_ctx64 > (1 << 30) ? (1 << 30) : static_cast<int>(max_ctx64);
   p.ctx_cap = max_ctx;
   if (num_kv_heads * p.head_chunks > 65535) return cudaErrorInvalidValue;
-  Tuning& tu = tuning();
-  const int forced_splits = tu.splits.load(std::memory_order_relaxed);
-  int variant = tu.variant.load(std::memory_order_relaxed);
-  int flags = tu.flags.load(std::memory_order_relaxed);
-  if (variant == kAutoVariant) {
-    const bool fills_gpu = int64_t{batch} * num_kv_heads * p.head_chunks >= num_sms;
-    variant = fills_gpu ? 0 : kSmallBatchVariant;
-    flags = fills_gpu ? 0 : kSmallBatchFlags;
-  }
+  const LaunchChoice c = choose_launch(batch, num_kv_heads * p.head_chunks, num_sms);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    return launch_variant<T>(variant, p, batch, max_ctx, num_sms, forced_splits, flags, stream);
+    return c.split_shape ? launch<T, SplitShape>(p, batch, max_ctx, num_sms, c, stream)
+                         : launch<T, BatchShape>(p, batch, max_ctx, num_sms, c, stream);
   });
 }
 
 }  // namespace qwen3_kernels
-
-// ---- tuning hooks for benchmarks and tests (C ABI, found by ctypes in the loaded extension) -----
-// Not part of the op surface: qwen3_kernels/decode_tuning.py is their only caller.
-
-#define QWEN3_DECODE_EXPORT extern "C" __attribute__((visibility("default")))
-
-// Sets the split count (0 = automatic), variant index (-1 = the automatic choice by batch, the
-// default) and flag bits for the following calls.
-// Returns 0, or -1 (and changes nothing) when the variant or a flag is unknown or splits < 0.
-QWEN3_DECODE_EXPORT int qwen3_decode_set_tuning(int splits, int variant, int flags) {
-  using namespace qwen3_kernels;
-  if (splits < 0 || variant < kAutoVariant || variant >= kNumVariants ||
-      (flags & ~kAllFlags) != 0)
-    return -1;
-  Tuning& t = tuning();
-  t.splits.store(splits, std::memory_order_relaxed);
-  t.variant.store(variant, std::memory_order_relaxed);
-  t.flags.store(flags, std::memory_order_relaxed);
-  return 0;
-}
-
-// The current settings: out[0] = splits, out[1] = variant, out[2] = flags.
-QWEN3_DECODE_EXPORT void qwen3_decode_get_tuning(int* out) {
-  qwen3_kernels::Tuning& t = qwen3_kernels::tuning();
-  out[0] = t.splits.load(std::memory_order_relaxed);
-  out[1] = t.variant.load(std::memory_order_relaxed);
-  out[2] = t.flags.load(std::memory_order_relaxed);
-}
-
-QWEN3_DECODE_EXPORT int qwen3_decode_num_variants() { return qwen3_kernels::kNumVariants; }
-
-// Dynamic shared memory of the variant's main kernel in bytes (a variant that needs more than the
-// device allows per block fails at launch with an error), or -1 out of range.
-QWEN3_DECODE_EXPORT int qwen3_decode_variant_smem_bytes(int variant) {
-  using namespace qwen3_kernels;
-  switch (variant) {
-    case 0: return Shape<4, 3>::kSmemBytes;
-    case 1: return Shape<4, 2>::kSmemBytes;
-    case 2: return Shape<4, 4>::kSmemBytes;
-    case 3: return Shape<4, 6>::kSmemBytes;
-    case 4:
-    case 5:
-    case 6: return Shape<8, 3>::kSmemBytes;
-    default: return -1;
-  }
-}
-
-// The variant's name ("w4s3", ...), or nullptr out of range.
-QWEN3_DECODE_EXPORT const char* qwen3_decode_variant_name(int variant) {
-  using namespace qwen3_kernels;
-  return variant >= 0 && variant < kNumVariants ? kVariants[variant].name : nullptr;
-}
-
-// The split count of the most recent launch (any thread): what the automatic choice picked.
-QWEN3_DECODE_EXPORT int qwen3_decode_last_num_splits() {
-  return qwen3_kernels::tuning().last_splits.load(std::memory_order_relaxed);
-}

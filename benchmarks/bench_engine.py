@@ -10,6 +10,11 @@
     python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
     python bench_engine.py --size 0.6B --profile --num-seqs 256   # one decode step, kernel by kernel
     python bench_engine.py --size 8B --profile --profile-overlap --num-seqs 1 --tp 2  # in generate's loop
+    python bench_engine.py --size 8B --no-overlap-steps --tp-all-reduce nccl --tp 2   # engine settings
+
+Each workload run (not --profile) also writes its row into results/bench_engine.json (--results-dir
+to put it elsewhere; a row with the same workload, model and settings is replaced, others kept):
+python report.py turns the file into RESULTS.md's engine table and plots/engine.png.
 
 The workload (TARGETS.md, as nano-vllm's bench.py): 256 requests, seed 0, prompt lengths uniform
 in [100, 1024] of random token ids in [0, 10000], max_tokens uniform in [100, 1024], ignore_eos,
@@ -37,20 +42,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import record  # noqa: E402
 
 from qwen3_model.config import SCHEDULING_POLICIES  # noqa: E402
 from qwen3_model.llm import LLM  # noqa: E402
 from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  # noqa: E402
 from qwen3_model.sampling_params import SamplingParams  # noqa: E402
 
-H200_READ_TBS = 4.31  # TARGETS.md: read-only reduction over 2 GiB, the practical read ceiling
+H200_READ_TBS = record.H200_READ_TBS
 
 
 class GpuClocks:
     """Polls ``nvidia-smi`` for the GPU's SM / memory clocks, power and temperature on a thread
     while a timed run goes, and tells which GPU it was (its UUID): the same build measured the 8B
-    workload at 9,684-10,072 tok/s on five H200s (RESULTS.md, nineteenth session), and these are
-    what may tell such machines apart. Without CUDA or nvidia-smi it samples nothing."""
+    workload at 9,684-10,072 tok/s on five H200s, and these are what may tell such machines
+    apart. Without CUDA or nvidia-smi it samples nothing."""
 
     FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu"
 
@@ -165,6 +173,11 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
               tensor_parallel_size=args.tensor_parallel_size,
               scheduling_policy=args.scheduling_policy,
               max_piecewise_graph_tokens=args.max_piecewise_graph_tokens)
+    # the engine settings go to LLM only when they differ from its defaults (overlap on, auto)
+    if args.no_overlap_steps:
+        kw["overlap_steps"] = False
+    if args.tp_all_reduce != "auto":
+        kw["tp_all_reduce"] = args.tp_all_reduce
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
@@ -310,7 +323,7 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     replayed = runner.num_graph_steps - graph_steps
     llm.scheduler.abort_all()
     # kernels only: an eager op (aten::mm, say) also carries its kernels' time, and counting both
-    # doubled the eager part of the step (the 2026-11-30 profile in RESULTS.md did)
+    # doubled the eager part of the step
     from torch.autograd import DeviceType
 
     rows = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0
@@ -492,9 +505,15 @@ def main(argv=None):
                    help="LLM's max_piecewise_graph_tokens (0: steps with prompt tokens run eagerly)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="GPUs (one process each); weights bandwidth is then per GPU")
+    p.add_argument("--no-overlap-steps", action="store_true",
+                   help="LLM(overlap_steps=False): the host prepares a step only after the last "
+                        "one's tokens are read (default: overlapped)")
+    p.add_argument("--tp-all-reduce", choices=["auto", "custom", "nccl"], default="auto",
+                   help="LLM's tp_all_reduce: auto = ours where it can run, else NCCL")
     p.add_argument("--no-gpu-clocks", action="store_true",
                    help="do not poll nvidia-smi for the GPU's clocks and power during the run")
-    p.add_argument("--json", help="append the result as one JSON line to this file")
+    p.add_argument("--results-dir", default=None,
+                   help="where results/bench_engine.json goes (default: benchmarks/results)")
     p.add_argument("--allow-reference", action="store_true",
                    help="run on a CUDA device even when the qwen3_kernels extension is not loaded "
                         "(the reference path: its numbers say nothing about the kernels)")
@@ -507,7 +526,7 @@ def main(argv=None):
 
         if not qwen3_kernels.has_cuda_kernels() and not args.allow_reference:
             # a benchmark of the reference path on a GPU is not a number about this engine
-            # (2026-11-30: a run without its build printed 9-16 tok/s for Qwen3-8B)
+            # (a run without its build printed 9-16 tok/s for Qwen3-8B)
             p.error("the qwen3_kernels CUDA extension is not loaded "
                     f"({qwen3_kernels.cuda_kernels_import_error()}); build it "
                     "(pip install --no-build-isolation -e .) or pass --allow-reference")
@@ -598,10 +617,65 @@ def main(argv=None):
                 print(f"  transformers continuous batching: {hf_s:.2f} s, {hf_tps:,.0f} output "
                       f"tok/s ({hf_n} tokens)\n  ours / hf = {tps / hf_tps:.2f}x")
                 result.update(hf_tok_s=hf_tps, ratio=tps / hf_tps)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    if result.get("mode") in ("throughput", "batch1"):
+        path = write_engine_row(engine_row(result, args), args.results_dir, argv)
+        print(f"  -> {path}")
     return result
+
+
+def engine_row(result: dict, args) -> dict:
+    """The result as one row of results/bench_engine.json (record.py): workload, model, settings,
+    output / decode tok/s, the baseline if one ran, the GPU's clocks, decode tok/s by batch size
+    where the step timeline ran."""
+    batch1 = result["mode"] == "batch1"
+    workload = ("batch 1: 128-token prompt, 512 new tokens" if batch1
+                else f"nano-vllm: {args.num_seqs} requests")
+    settings = dict(scheduling_policy=args.scheduling_policy, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
+                    overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    enforce_eager=args.enforce_eager, block_size=args.block_size)
+    row = dict(workload=workload, mode=result["mode"], model=result["model"],
+               size=None if args.model else args.size, settings=settings,
+               output_tok_s=result.get("e2e_tok_s") if batch1 else result.get("tok_s"),
+               decode_tok_s=result.get("decode_tok_s"), weight_tb_s=result.get("weight_tb_s"),
+               seconds=result.get("seconds"), output_tokens=result.get("output_tokens"))
+    if "hf_tok_s" in result:
+        row.update(baseline="transformers", baseline_tok_s=result["hf_tok_s"],
+                   ratio=row["output_tok_s"] / result["hf_tok_s"])
+    clocks = {k: result[k] for k in ("gpu_uuid", "sm_mhz_min", "sm_mhz_median", "mem_mhz_median",
+                                     "power_w_median", "power_w_max", "temp_c_max") if k in result}
+    row["clocks"] = clocks or None
+    if "timeline" in result:  # decode-only steps by batch size bin: decode tok/s of each
+        row["decode_tok_s_by_batch"] = {
+            k: v["decode_tokens"] / v["ms"] * 1e3 for k, v in result["timeline"].items()
+            if k != "prefill" and v["ms"] > 0}
+    return row
+
+
+def write_engine_row(row: dict, results_dir=None, argv=None) -> Path:
+    """Puts ``row`` into results/bench_engine.json, replacing the row of the same workload, model
+    and settings; the file's run info is this run's, each row keeps its own (date, GPU, commit)."""
+    info = record.run_info(["bench_engine.py", *(sys.argv[1:] if argv is None else argv)])
+    row = dict(row, command=info["command"], date=info["date"], gpu=info["gpu"],
+               commit=info["commit"])
+    path = record.results_path("bench_engine", results_dir)
+    rows = []
+    if path.exists():
+        try:
+            rows = json.loads(path.read_text()).get("rows", [])
+        except (ValueError, AttributeError):
+            rows = []
+
+    def key(r):
+        return (r.get("workload"), r.get("model"), json.dumps(r.get("settings"), sort_keys=True))
+
+    rows = [r for r in rows if key(r) != key(row)] + [row]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"bench": "bench_engine", **info, "rows": rows}, indent=1) + "\n")
+    return path
+
 
 
 if __name__ == "__main__":

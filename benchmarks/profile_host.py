@@ -27,9 +27,12 @@ time, so of ``--repeat`` runs the lowest):
     postprocess  Scheduler.postprocess (or advance + fill, overlapped)
     loop         the rest of the generate loop (detok, progress bar)
 
-With overlapped steps (QWEN3_OVERLAP_STEPS, on by default) the same host work runs while the GPU
+With overlapped steps (LLM(overlap_steps=True), the default) the same host work runs while the GPU
 computes the previous step, so on a GPU only what exceeds the GPU's step time shows in the wall
-time; run with QWEN3_OVERLAP_STEPS=0 to time the step-by-step loop.
+time; run with --no-overlap-steps to time the step-by-step loop.
+
+This is the project's one profiling tool for the host; the GPU side of a step, kernel by kernel,
+is bench_engine.py's --profile mode (decode steps, or one prefill step with --profile-prefill).
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ def run_workload(block_size: int, args, profile: cProfile.Profile | None = None)
         llm = LLM(tmp, device=args.device, load_format="dummy", max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  kvcache_block_size=block_size, num_kvcache_blocks=num_blocks)
+                  kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
+                  **({"overlap_steps": False} if args.no_overlap_steps else {}))
     timers = Timers()
     build = fake_forward(llm, timers)
     try:
@@ -262,6 +266,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="runs per block size (the best counts)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="wall")
     p.add_argument("--tqdm", action="store_true", help="the progress bar on, as bench_engine")
+    p.add_argument("--no-overlap-steps", action="store_true",
+                   help="LLM(overlap_steps=False): the step-by-step loop")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run under cProfile and print the top N functions (tottime)")
     args = p.parse_args(argv)

@@ -1,5 +1,6 @@
-"""benchmarks/bench_engine.py refuses to time the reference path on a GPU (a number that says
-nothing about the kernels), unless asked to with --allow-reference."""
+"""benchmarks/bench_engine.py on CPU: it refuses to time the reference path on a GPU (a number
+that says nothing about the kernels) unless asked to with --allow-reference; its step timeline,
+clock sampling, engine-setting flags and results/bench_engine.json."""
 
 from __future__ import annotations
 
@@ -95,19 +96,52 @@ def test_gpu_clocks_without_cuda_samples_nothing(monkeypatch):
 
 def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):
     """The throughput path end to end on CPU (the demo shape, 3 short requests): every request
-    gets its max_tokens, and the printout and the JSON line name the policy and the budget."""
+    gets its max_tokens, the printout names the policy and the budget, and the run's row lands in
+    results/bench_engine.json with its settings; a second run of the same setting replaces it."""
     import json
 
     bench = _bench_engine()
-    out_json = tmp_path / "r.json"
-    bench.main(["--size", "demo", "--num-seqs", "3", "--max-input-len", "120",
-                "--max-output-len", "104", "--scheduling-policy", "longest_first",
-                "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-gpu-clocks",
-                "--json", str(out_json)])
+    argv = ["--size", "demo", "--num-seqs", "3", "--max-input-len", "120",
+            "--max-output-len", "104", "--scheduling-policy", "longest_first",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-gpu-clocks",
+            "--results-dir", str(tmp_path)]
+    result = bench.main(argv)
     text = capsys.readouterr().out
     assert "(longest_first, max_num_batched_tokens 64, max_piecewise_graph_tokens 512):" in text
-    result = json.loads(out_json.read_text().splitlines()[-1])
     _, max_tokens = bench.nano_vllm_workload(3, max_input_len=120, max_output_len=104)
     assert result["output_tokens"] == sum(max_tokens)
-    assert result["scheduling_policy"] == "longest_first" and result["max_num_batched_tokens"] == 64
     assert result["partial_prefills"] > 0  # 64-token budget: every prompt was chunked
+    doc = json.loads((tmp_path / "bench_engine.json").read_text())
+    assert doc["bench"] == "bench_engine" and doc["commit"] and doc["gpu"] == "cpu"
+    (row,) = doc["rows"]
+    assert row["workload"] == "nano-vllm: 3 requests" and row["size"] == "demo"
+    assert row["output_tokens"] == sum(max_tokens) and row["output_tok_s"] > 0
+    assert row["settings"]["scheduling_policy"] == "longest_first"
+    assert row["settings"]["max_num_batched_tokens"] == 64
+    assert row["settings"]["overlap_steps"] is True and row["settings"]["tp_all_reduce"] == "auto"
+    assert "--max-num-batched-tokens 64" in row["command"]
+    bench.write_engine_row(dict(row, output_tok_s=1.0), tmp_path)  # same setting: replaced
+    bench.write_engine_row(dict(row, workload="other"), tmp_path)  # another: kept beside it
+    rows = json.loads((tmp_path / "bench_engine.json").read_text())["rows"]
+    assert [(r["workload"], r["output_tok_s"]) for r in rows] == [
+        ("nano-vllm: 3 requests", 1.0), ("other", row["output_tok_s"])]
+
+
+def test_engine_settings_flags():
+    """--no-overlap-steps / --tp-all-reduce reach LLM only when they differ from its defaults."""
+    bench = _bench_engine()
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, path, **kw):
+            seen.update(kw)
+            raise RuntimeError("stop")
+
+    bench.LLM = FakeLLM
+    with pytest.raises(RuntimeError, match="stop"):
+        bench.main(["--size", "demo", "--batch1", "--no-gpu-clocks"])
+    assert "overlap_steps" not in seen and "tp_all_reduce" not in seen
+    with pytest.raises(RuntimeError, match="stop"):
+        bench.main(["--size", "demo", "--batch1", "--no-gpu-clocks", "--no-overlap-steps",
+                    "--tp-all-reduce", "nccl"])
+    assert seen["overlap_steps"] is False and seen["tp_all_reduce"] == "nccl"

@@ -1,7 +1,7 @@
 // paged_attention_prefill: varlen causal GQA attention of new query tokens over keys read from
 // the paged KV cache, FlashAttention-2 style on mma.sync tensor cores (sm_80 and sm_90a).
 // This is the portable kernel and the entry point; on Hopper the launcher at the bottom hands the
-// call to the wgmma kernel in prefill_sm90.cu (same algorithm, same results up to rounding).
+// call to the wgmma kernel in prefill_sm90_ws.cu (same algorithm, same results up to rounding).
 //
 // Work split. One CTA owns BLOCK_M = 128 "packed rows" of one (sequence, kv head): packed row
 // p = token * group + h is query token `token` of the sequence and q head kv_head * group + h.
@@ -28,8 +28,6 @@
 // one FMA; P rounded to the input dtype for the P V product (as FlashAttention does); the output
 // normalised in fp32 and written with 16-byte stores through shared memory.
 #include <cfloat>
-#include <cstdlib>
-#include <cstring>
 
 #include "prefill_common.cuh"
 
@@ -354,44 +352,16 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.block_size_log2 = __builtin_ctz(static_cast<unsigned>(block_size));
   p.max_blocks = max_blocks;
   p.scale_log2 = scale * 1.4426950408889634f;
-  // Hopper runs the wgmma kernel (prefill_sm90.cu); QWEN3_PREFILL_NO_WGMMA=1 forces this file's
-  // mma.sync kernel (the tests run both; also a switch if the fast path is ever suspect).
-  // The default is the warp-specialised kernel with ping-pong and a 3-stage K/V ring
-  // (prefill_sm90_ws.cu), persistent ("ws3p") up to 8192 query tokens a sequence and one-tile
-  // ("ws3") above. H200, 2026-11-30 (ninth session, bench_attention_prefill.py, four runs): ws3p
-  // against ws3 0.5-4% faster at causal 4k (268.3 / 279.3 us; cuDNN 273.4), 2.3-3.5% at 8 x 2k,
-  // equal on prefix chunks of 512 and 2048 queries, 0.6-6.3% slower at 16k.
-  // (Eighth session: ws3 beat the other one-tile variants on 5 of 7 cases.)
-  // QWEN3_PREFILL_VARIANT=ws | ws3 | ws3p | ws_nopp | ws3_nopp | sm90 picks one; anything else:
-  // the default.
-  // Read per call (a getenv is negligible next to a prefill) so tests and benchmarks can switch.
-  const char* no_wgmma = std::getenv("QWEN3_PREFILL_NO_WGMMA");
-  if ((no_wgmma == nullptr || no_wgmma[0] == '\0' || no_wgmma[0] == '0') &&
-      prefill::sm90_available()) {
-    const char* variant = std::getenv("QWEN3_PREFILL_VARIANT");
-    if (variant != nullptr && std::strcmp(variant, "sm90") == 0)
-      return prefill::launch_sm90(p, batch, max_seqlen_q, dtype, stream);
-    static constexpr struct {
-      const char* name;
-      prefill::WsVariant variant;
-    } kWsVariants[] = {
-        {"ws", prefill::WsVariant::kStages2},
-        {"ws3", prefill::WsVariant::kStages3},
-        {"ws_nopp", prefill::WsVariant::kNoPingpong},
-        {"ws3_nopp", prefill::WsVariant::kStages3NoPingpong},
-        {"ws3p", prefill::WsVariant::kStages3Persistent},
-    };
-    for (const auto& v : kWsVariants) {
-      if (variant != nullptr && std::strcmp(variant, v.name) == 0)
-        return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype, v.variant, stream);
-    }
-    constexpr int kPersistentMaxSeqlenQ = 8192;
+  // The one choice of kernel. Where the device runs this binary's sm_90a code (H100/H200): the
+  // warp-specialised wgmma kernel (prefill_sm90_ws.cu), persistent up to 8192 query tokens a
+  // sequence and one CTA per work tile above. H200 (bench_attention_prefill.py, four runs):
+  // persistent against one-tile 0.5-4% faster at causal 4k (268.3 / 279.3 us; cuDNN 273.4),
+  // 2.3-3.5% at 8 x 2k, equal on prefix chunks of 512 and 2048 queries, 0.6-6.3% slower at 16k.
+  // Elsewhere (sm_80 .. sm_89): this file's mma.sync kernel.
+  constexpr int kPersistentMaxSeqlenQ = 8192;
+  if (prefill::sm90_available())
     return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
-                                   max_seqlen_q <= kPersistentMaxSeqlenQ
-                                       ? prefill::WsVariant::kStages3Persistent
-                                       : prefill::WsVariant::kStages3,
-                                   stream);
-  }
+                                   max_seqlen_q <= kPersistentMaxSeqlenQ, stream);
   return QWEN3_DISPATCH_HALF(dtype, T,
                              [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });
 }

@@ -1,4 +1,4 @@
-// Shared by the paged_attention_prefill kernels (prefill.cu: mma.sync, sm_80+; prefill_sm90.cu:
+// Shared by the paged_attention_prefill kernels (prefill.cu: mma.sync, sm_80+; prefill_sm90_ws.cu:
 // wgmma, sm_90a): the kernel parameters and the head_dim (PTX wrappers: qwen3_kernels/mma.cuh).
 #pragma once
 
@@ -46,20 +46,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Host side: the wgmma kernel (prefill_sm90.cu). available() is true when the current device runs
-// its sm_90a code (an H100/H200 with this binary built for sm_90a); launch() returns
-// cudaErrorNotSupported otherwise.
+// Host side of the warp-specialised wgmma kernel (prefill_sm90_ws.cu). sm90_available() is true
+// when the current device runs its sm_90a code (an H100/H200 with this binary built for sm_90a);
+// launch_sm90_ws() returns cudaErrorNotSupported otherwise. persistent: one CTA per SM walking
+// the work tiles, else one CTA per work tile.
 bool sm90_available();
-cudaError_t launch_sm90(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
-                        cudaStream_t stream);
-
-// The warp-specialised wgmma kernel (prefill_sm90_ws.cu), chosen by QWEN3_PREFILL_VARIANT while it
-// is measured against the default: ws = 2-stage K/V ring with ping-pong, ws3 = 3 stages,
-// ws_nopp / ws3_nopp = 2 / 3 stages without ping-pong, ws3p = ws3 persistent (one CTA per SM walks
-// the work tiles). cudaErrorNotSupported where sm90_available() is false.
-enum class WsVariant { kStages2, kStages3, kNoPingpong, kStages3NoPingpong, kStages3Persistent };
 cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
-                           WsVariant variant, cudaStream_t stream);
+                           bool persistent, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace qwen3_kernels

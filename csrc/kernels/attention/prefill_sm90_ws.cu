@@ -1,9 +1,26 @@
-// paged_attention_prefill on Hopper, warp-specialised (FlashAttention-3 structure). Same math,
-// work split, tile layouts and wgmma descriptors as prefill_sm90.cu (read its header first);
-// what changes is who does what and how they synchronise. Selected by QWEN3_PREFILL_VARIANT
-// (prefill.cu): "ws" = 2-stage K/V ring with ping-pong, "ws3" = 3 stages, "ws_nopp" = 2 stages
-// without ping-pong, "ws3_nopp" = 3 stages without, "ws3p" = ws3 made persistent (below).
-// sm_90a only.
+// paged_attention_prefill on Hopper (sm_90a): the algorithm of prefill.cu (read its header first:
+// packed (token, q head) rows, causality, numerics) with the two GEMMs on warpgroup MMA (wgmma)
+// and the CTA warp-specialised (FlashAttention-3 structure). prefill.cu's entry point picks this
+// kernel where the device runs its sm_90a code, the mma.sync kernel elsewhere.
+//
+// Why wgmma pays: mma.sync makes every warp read its own copy of the K and V fragments out of
+// shared memory (ldmatrix), so at 16 rows per warp the kernel is bound by shared-memory bandwidth
+// near half the tensor-core peak. wgmma reads the B operand once per warpgroup (64 rows) straight
+// from shared memory through a matrix descriptor (qwen3_kernels/mma.cuh, namespace sm90).
+//   S = Q K^T   wgmma m64n128k16, A = Q and B = K both from shared memory ("SS"), 8 k-steps over D.
+//   O += P V    wgmma m64n128k16, A = P from registers ("RS"), B = V from shared memory read as
+//               MN-major (V is [key][d], d contiguous), 8 k-steps over the 128 keys.
+// Shared-memory tiles use GMMA's canonical K-major layout with the 128-byte swizzle: a [rows, 128]
+// tile of 16-bit values is stored as two [rows, 64] halves (d 0..63, then d 64..127); in each half
+// row r is 128 bytes at r * 128 and its 16-byte chunk c sits at chunk (c ^ (r & 7)). The hardware
+// applies that XOR on address bits [4,7) ^ [7,10), so every tile starts on a 1 KiB boundary.
+//   K-major operand (Q, K): 8-row groups are SBO = 1 KiB apart; a k-step of 16 elements advances
+//     the start address by 32 bytes inside the 128-byte row, and k-steps 4..7 use the second half.
+//   MN-major operand (V): along N (= d) the two halves are LBO = BLOCK_N * 128 bytes apart; along
+//     K (= keys) 8-key groups are SBO = 1 KiB apart; a k-step of 16 keys advances 2 KiB.
+// Accumulator layout of wgmma m64nN (per warp w of the warpgroup, lane = 4 g + t): d[4 j + e] is
+// row 16 w + g + 8 (e >> 1), column 8 j + 2 t + (e & 1): the mma.sync C layout, N / 8 times.
+// The register A operand of a k16 step has the mma.sync A layout, so P is packed as in prefill.cu.
 //
 // CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128.
 //   WG 0, producer (setmaxnreg down to 40): copies Q (once a work tile), then K(0), V(0), K(1), ...
@@ -13,17 +30,17 @@
 //     signals "slot full" with cp.async.mbarrier.arrive.noinc: the barrier (count 128) completes
 //     when every producer thread's copies have landed. Before refilling a slot it waits on the
 //     slot's "empty" barrier (count 8: one arrival per consumer warp).
-//   WG 1, 2, consumers (setmaxnreg up to 232): 64 rows each, the loop of prefill_sm90.cu without
-//     any load or CTA barrier: iteration n issues S(n) = Q K(n)^T and P(n-1) V(n-1), waits for
-//     S(n) only and runs the softmax of tile n while P V runs (intra-warpgroup overlap).
+//   WG 1, 2, consumers (setmaxnreg up to 232): 64 rows each, without any load or CTA barrier:
+//     iteration n issues S(n) = Q K(n)^T and P(n-1) V(n-1), waits for S(n) only and runs the
+//     softmax of tile n while P V runs (intra-warpgroup overlap).
 //   Ping-pong: the two consumers take turns issuing their GEMMs (named barriers 1 and 2), so one
 //     warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
 //
 // mbarrier phases: tile n lives in slot n % kStages in round r = n / kStages; consumers wait
 // "full" with parity r & 1, the producer waits "empty" with parity (r & 1) ^ 1, which a fresh
 // barrier satisfies at once for r = 0. cp.async writes through the generic proxy and wgmma reads
-// through the async proxy, so each consumer issues fence.proxy.async after its full-waits (the
-// writer-side fence of prefill_sm90.cu is impossible: the producer never sees its copies land).
+// through the async proxy, so each consumer issues fence.proxy.async after its full-waits (a
+// writer-side fence is impossible: the producer never sees its copies land).
 // The producer's empty-waits trap after ~2^26 polls (a lost arrival fails the launch, no hang).
 // The ping-pong barriers need 256 arrivals (128 sync + 128 arrive): consumer c syncs on barrier
 // 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer 0
@@ -31,15 +48,30 @@
 // consumes consumer 1's last grant: no arrival is left pending when the CTA exits (both do the
 // same number of turns: n_tiles per work tile, the same tiles).
 //
-// Persistent (ws3p): a grid of one CTA per SM, each walking a list of work tiles (kv head, M
-// block, sequence) in a fixed order (persistent_tile), so every role knows the list without
-// talking. The K/V ring's slots and phases run on across tiles; Q gets a barrier of its own,
-// "Q empty" (one arrival per consumer warp after its last S of the tile), so the producer loads
-// the next tile's Q while the consumers still run the current tile's last P V, softmax and
-// output; the output then goes from registers straight to global memory (the one-tile kernels
-// stage it in Q's shared memory, which here already holds the next Q). What it saves: each CTA
-// of the one-tile kernels waits for its Q and first K before any math (6% of the stall samples
-// at 4k causal, more with many short CTAs; H200 profile, 2026-11-30).
+// Two grids of the same kernel (launch_sm90_ws; prefill.cu chooses by the longest query length):
+//   one-tile: grid (Hkv, M blocks, B), one work tile per CTA.
+//   persistent: a grid of one CTA per SM, each walking a list of work tiles (kv head, M block,
+//     sequence) in a fixed order (persistent_tile), so every role knows the list without talking.
+//     The K/V ring's slots and phases run on across tiles; Q gets a barrier of its own, "Q empty"
+//     (one arrival per consumer warp after its last S of the tile), so the producer loads the next
+//     tile's Q while the consumers still run the current tile's last P V, softmax and output; the
+//     output then goes from registers straight to global memory (the one-tile grid stages it in
+//     Q's shared memory, which here already holds the next Q). What it saves: each CTA of the
+//     one-tile grid waits for its Q and first K before any math (6% of the stall samples at 4k
+//     causal, more with many short CTAs; H200 profile).
+//
+// Variants that no shape picks (branch experiment/prefill-sm90-variants keeps them and the
+// QWEN3_PREFILL_VARIANT switch): a single-role wgmma kernel (prefill_sm90.cu: loads and GEMMs in
+// every warp, one CTA barrier per tile), a 2-stage K/V ring, and both ring depths without
+// ping-pong. H200, bench_attention_prefill.py, us (causal 4k 32/8 bs 256 | 4k 16/8 | 8 x 2k |
+// 16k | 4k bs 16 | prefix Lq 2048 Lk 8k | prefix Lq 512 Lk 16k):
+//   single-role   438.1 | 226.2 | 937.5 | 6339.7 | 447.8 | 731.6 | 418.9
+//   2 stages      281.7 | 148.5 | 654.9 | 4291.6 | 383.8 | 469.0 | 272.6
+//   2, no pp      284.0 | 144.7 | 667.2 | 4161.7 | 353.3 | 440.3 | 247.8
+//   3, no pp      282.8 | 142.2 | 665.9 | 4069.5 | 338.4 | 426.5 | 239.2
+//   3 (kept)      284.1 | 140.5 | 649.4 | 4093.3 | 338.7 | 418.5 | 234.0
+//   3, persistent 274.2 | 138.8 | 634.7 | 4116.2 | 342.6 | 430.7 | 236.8
+//   cuDNN         266.4 | 152.4 | 506.0 | 3770.9 | 264.1 |   -   |   -
 #include <type_traits>
 
 #include "prefill_common.cuh"
@@ -63,12 +95,10 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 
-template <int kStages>
-constexpr int smem_bytes() {
-  // 1 KiB alignment slack + Q + K and V rings + barriers (2 + 4 * kStages of 8 bytes).
-  return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (2 + 4 * kStages);
-}
-static_assert(smem_bytes<3>() <= 227 * 1024, "3 stages must fit the opt-in shared memory");
+constexpr int kStages = 3;                          // K/V ring depth
+// 1 KiB alignment slack + Q + K and V rings + barriers (2 + 4 * kStages of 8 bytes).
+constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (2 + 4 * kStages);
+static_assert(kSmemBytes <= 227 * 1024, "the ring must fit the opt-in shared memory");
 
 #if defined(QWEN3_PREFILL_WS)
 
@@ -78,8 +108,6 @@ __device__ __forceinline__ uint32_t gmma_offset(int row, int chunk, int rows) {
   return static_cast<uint32_t>((chunk >> 3) * rows * 128 + row * 128 +
                                (((chunk & 7) ^ (row & 7)) << 4));
 }
-
-#endif  // QWEN3_PREFILL_WS
 
 // One CTA's unit of work: BLOCK_M packed rows (M block m_block) of one sequence and kv head.
 struct WorkTile {
@@ -108,9 +136,11 @@ __device__ __forceinline__ bool persistent_tile(int k, int m_blocks, int kv_head
   return true;
 }
 
-// One-tile kernels: grid (Hkv, m_blocks, B), M tiles in reverse (longest rows first).
+#endif  // QWEN3_PREFILL_WS
+
+// One-tile grid: (Hkv, m_blocks, B), M tiles in reverse (longest rows first).
 // Persistent (kPersistent): grid (min(tiles, SMs)), tiles from persistent_tile.
-template <typename T, int kStages, bool kPingpong, bool kPersistent>
+template <typename T, bool kPersistent>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_ws_kernel(const PrefillParams p, int m_blocks, int batch) {
 #if defined(QWEN3_PREFILL_WS)
@@ -249,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       // This thread's rows of key tile t -> dst; keys past the sequence are zero-filled (and
       // their block-table entries never read). This loop was the producer's bottleneck at ~40
-      // instructions a row, and the consumers waited on K (H200 profile, 2026-11-30): now the
+      // instructions a row, and the consumers waited on K (H200 profile): now the
       // source address is computed once per page the rows touch and stepped 8 slots a row between.
       auto load_tile = [&](uint32_t dst, const T* head_base, int t) {
         const int key0 = t * kBlockN + ld_row;
@@ -311,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the softmax of tile n packs its P while P(n-1) V(n-1) still reads the other buffer. With one
   // buffer ptxas must wait for that P V before the first pack, and its scheduler interleaves the
   // packs with the exponentials, so the wait moved above the whole softmax and the softmax no
-  // longer overlapped the P V (H200 profile, 2026-11-30).
+  // longer overlapped the P V (H200 profile).
   uint32_t p_buf[2][kBlockN / 16][4];
 
   // S = Q K^T for this warpgroup's 64 rows x 128 keys (8 k-steps over D; Q and K K-major).
@@ -381,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const uint32_t my_turn = 1 + c;  // named barrier ids of the ping-pong
   const uint32_t other_turn = 2 - c;
-  if (kPingpong && c == 1) named_bar_arrive(1, 256);  // consumer 0 goes first
+  if (c == 1) named_bar_arrive(1, 256);  // consumer 0 goes first
 
   // The K/V ring over all work tiles: slot `stage` of round parity `parity` holds the next tile.
   int stage = 0;
@@ -431,14 +461,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     // Tile 0: S(0) alone (o is still zero: nothing to rescale, no P V yet).
     if (n_tiles > 0) {
-      if (kPingpong) named_bar_sync(my_turn, 256);
+      named_bar_sync(my_turn, 256);
       mbar_wait(bar_k_full + 8 * stage, parity);
       fence_proxy_async();
       float s[64];
       wgmma_fence();
       issue_s(s, s_k + stage * kTileBytes);
       wgmma_commit();
-      if (kPingpong) named_bar_arrive(other_turn, 256);
+      named_bar_arrive(other_turn, 256);
       wgmma_wait<0>();
       fence_regs(s);
       if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);  // this warp is done with K(0)
@@ -455,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // while P V runs. The wait for P V sits in the next iteration, behind the K / V barrier waits
     // (each a loop, so a basic block of its own): ptxas hoists a wgmma wait over independent ALU
     // work in its block, and in the softmax's block it moved above the whole softmax, so P V and
-    // the softmax never overlapped (H200 profile and SASS, 2026-11-30). For the same reason P
+    // the softmax never overlapped (H200 profile and SASS). For the same reason P
     // alternates between two register buffers: P(n) is packed while P(n-1) V(n-1) still reads
     // the other one.
     // Waits for the P V in flight, frees its V slot and rescales o by the last softmax's alpha.
@@ -468,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // One iteration: p_prev holds P(n-1) (read by this iteration's P V), p_next receives P(n).
     auto step = [&](int n, uint32_t (&p_prev)[kBlockN / 16][4],
                     uint32_t (&p_next)[kBlockN / 16][4]) {
-      if (kPingpong) named_bar_sync(my_turn, 256);
+      named_bar_sync(my_turn, 256);
       mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);  // issued before K(n): usually landed
       retire_pv();
       mbar_wait(bar_k_full + 8 * stage, parity);
@@ -481,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
       issue_pv(p_prev, s_v + prev_stage * kTileBytes);
       wgmma_commit();
-      if (kPingpong) named_bar_arrive(other_turn, 256);  // the other consumer may issue now
+      named_bar_arrive(other_turn, 256);  // the other consumer may issue now
       wgmma_wait<1>();  // S(n) is done; P V may still run
       fence_regs(s);
       if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);
@@ -579,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   // Consumer 0's empty last turn: it consumes consumer 1's grant after its last turn.
-  if (kPingpong && c == 0) named_bar_sync(1, 256);
+  if (c == 0) named_bar_sync(1, 256);
 #endif  // QWEN3_PREFILL_WS
 }
 
@@ -596,14 +626,13 @@ int num_sms() {
   return n;
 }
 
-template <typename T, int kStages, bool kPingpong, bool kPersistent = false>
+template <typename T, bool kPersistent>
 cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStream_t stream) {
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
-  constexpr int kSmem = smem_bytes<kStages>();
-  auto kernel = prefill_ws_kernel<T, kStages, kPingpong, kPersistent>;
+  auto kernel = prefill_ws_kernel<T, kPersistent>;
   cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   dim3 grid(p.num_kv_heads, (unsigned)m_blocks, batch);
   if (kPersistent) {
@@ -614,28 +643,33 @@ cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStre
     grid = dim3((unsigned)(tiles < sms ? tiles : sms));
     if (tiles == 0) return cudaSuccess;
   }
-  kernel<<<grid, kThreads, kSmem, stream>>>(p, (int)m_blocks, batch);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, (int)m_blocks, batch);
   return cudaGetLastError();
 }
 
 }  // namespace
 
+bool sm90_available() {
+  // Per device: does it run this binary's sm_90a code of the kernel? (binaryVersion is the SASS
+  // version the driver picked: 90 on an H100/H200 built with sm_90a, 80 on an A100.)
+  static int cached[64];  // 0 unknown, 1 yes, 2 no; a benign race writes the same value
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (dev >= 0 && dev < 64 && cached[dev] != 0) return cached[dev] == 1;
+  cudaFuncAttributes attr;
+  bool ok = cudaFuncGetAttributes(&attr, prefill_ws_kernel<__nv_bfloat16, false>) == cudaSuccess &&
+            attr.binaryVersion == 90;
+  if (!ok) (void)cudaGetLastError();  // clear a "no kernel image" error; we just fall back
+  if (dev >= 0 && dev < 64) cached[dev] = ok ? 1 : 2;
+  return ok;
+}
+
 cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
-                           WsVariant variant, cudaStream_t stream) {
+                           bool persistent, cudaStream_t stream) {
   if (!sm90_available()) return cudaErrorNotSupported;
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    switch (variant) {
-      case WsVariant::kStages3:
-        return launch<T, 3, true>(p, batch, max_seqlen_q, stream);
-      case WsVariant::kNoPingpong:
-        return launch<T, 2, false>(p, batch, max_seqlen_q, stream);
-      case WsVariant::kStages3NoPingpong:
-        return launch<T, 3, false>(p, batch, max_seqlen_q, stream);
-      case WsVariant::kStages3Persistent:
-        return launch<T, 3, true, true>(p, batch, max_seqlen_q, stream);
-      default:
-        return launch<T, 2, true>(p, batch, max_seqlen_q, stream);
-    }
+    return persistent ? launch<T, true>(p, batch, max_seqlen_q, stream)
+                      : launch<T, false>(p, batch, max_seqlen_q, stream);
   });
 }
 

@@ -1,0 +1,367 @@
+"""One command from the benchmarks' JSON to what users read: RESULTS.md, the plots, README's table.
+
+    python benchmarks/report.py                          # benchmarks/results/*.json -> all three
+    python benchmarks/report.py --results-dir out/results --no-plots
+
+Reads every benchmarks/results/<bench>.json (record.py says what is in one) and writes
+  benchmarks/RESULTS.md            current tables only, each with its command, date, GPU, commit
+  benchmarks/plots/*.png           elementwise, attention_decode, attention_prefill, linear, engine
+                                   (a plot whose JSON is absent is skipped)
+  README.md                        the rows marked headline, between <!-- results:begin --> and
+                                   <!-- results:end --> (left alone when the markers are absent)
+The tables need nothing beyond the standard library; the plots need matplotlib
+(pip install matplotlib, or pip install -e ".[plots]"), imported only when drawing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import record  # noqa: E402
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+# the per-op benches in the order RESULTS.md shows them; others follow by name
+ORDER = ["bench_elementwise", "bench_qk_norm_rope", "bench_attention_decode",
+         "bench_attention_prefill", "bench_linear", "bench_sample", "bench_engine"]
+ENGINE_DEFAULTS = dict(scheduling_policy="fcfs", max_num_seqs=512, max_num_batched_tokens=16384,
+                       max_piecewise_graph_tokens=512, overlap_steps=True, tp_all_reduce="auto",
+                       tensor_parallel_size=1, enforce_eager=False, block_size=256)
+
+HEADER = f"""# Benchmark results
+
+Written by `python benchmarks/report.py` from the JSON the benchmarks write
+(`benchmarks/results/<bench>.json`); do not edit by hand. Each table says the command, date, GPU
+and commit it comes from; older figures live in git history.
+
+How things are measured. Kernel rows: CUDA events around CUDA-graph replays of many calls, the
+median of the replays, inputs rotated through enough sets to exceed the 60 MB L2
+(`benchmarks/common.py`); ours and the baseline run in the same process on the same inputs, then
+again alternating, each keeping its best (`common.rematch`: a GPU runs a few % slower late in a
+long run). ratio = baseline time / our time (> 1: ours is faster). Rates count the bytes that
+must move (each input read once, each output written once) or the FLOPs; "of ceiling" holds them
+to the H200's measured read ceiling {record.H200_READ_TBS} TB/s (read-only reduction over 2 GiB)
+or cuBLAS's {record.H200_BF16_TFLOPS:.0f} TFLOP/s (bf16 8192^3), from the project's TARGETS.md.
+Engine rows: output tokens / wall time of one `generate` after a warm-up, random weights at the
+real shape (the speed of a trained checkpoint with ignore_eos); batch 1 reports decode tok/s
+between the first and the last token.
+
+Reproduce: `cd benchmarks && pytest -q -s bench_<op>.py` per op, `python bench_engine.py ...` for
+the engine (`bash scripts/gpu_round.sh` runs them all), then `python benchmarks/report.py`.
+"""
+
+
+def load(results_dir: Path) -> dict[str, dict]:
+    docs = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError as e:
+            print(f"report: skipping {path}: {e}", file=sys.stderr)
+            continue
+        docs[doc.get("bench", path.stem)] = doc
+    return dict(sorted(docs.items(), key=lambda kv: (
+        ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+
+
+def _f(x, fmt=".2f", none="") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _us(x) -> str:
+    return "" if x is None else (f"{x:,.0f}" if x >= 1000 else f"{x:.2f}")
+
+
+def _rate(x, unit) -> str:
+    if x is None:
+        return ""
+    return f"{x:.0f} {unit}" if unit == "TFLOP/s" else f"{x:.2f} {unit}"
+
+
+def settings_label(settings: dict | None) -> str:
+    """The settings that differ from the engine's defaults, or "defaults"."""
+    diff = [f"{k}={v}" for k, v in (settings or {}).items() if ENGINE_DEFAULTS.get(k, v) != v]
+    return ", ".join(diff) or "defaults"
+
+
+def kernel_table(doc: dict) -> list[str]:
+    lines = ["| op | case | ours (us) | ours | of ceiling | baseline | baseline (us) | "
+             "baseline rate | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("rows", []):
+        unit = r.get("unit", "")
+        lines.append(
+            f"| {r['op']} | {r['case']} | {_us(r.get('ours_us'))} | "
+            f"{_rate(r.get('ours_rate'), unit)} | {_f(r.get('of_ceiling'), '.0%')} | "
+            f"{r.get('baseline') or ''} | {_us(r.get('baseline_us'))} | "
+            f"{_rate(r.get('baseline_rate'), unit)} | {_f(r.get('ratio'), '.2f')}"
+            f"{'x' if r.get('ratio') else ''} |")
+    return lines
+
+
+def engine_table(doc: dict) -> list[str]:
+    lines = ["| workload | model | settings | output tok/s | decode tok/s | baseline | ratio | "
+             "GPU | commit | SM MHz (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("rows", []):
+        base = (f"{r['baseline']} {r['baseline_tok_s']:,.0f}" if r.get("baseline_tok_s")
+                else "")
+        clocks = r.get("clocks") or {}
+        lines.append(
+            f"| {r['workload']} | {r['model']} | {settings_label(r.get('settings'))} | "
+            f"{_f(r.get('output_tok_s'), ',.0f')} | {_f(r.get('decode_tok_s'), ',.1f')} | {base} | "
+            f"{_f(r.get('ratio'), '.2f')}{'x' if r.get('ratio') else ''} | {r.get('gpu', '')} | "
+            f"{r.get('commit', '')} | {_f(clocks.get('sm_mhz_median'), '.0f')} |")
+    return lines
+
+
+def results_md(docs: dict[str, dict]) -> str:
+    out = [HEADER]
+    if not docs:
+        out.append("No results yet: run the benchmarks on a GPU (above), then this script.\n")
+        return "\n".join(out)
+    for bench, doc in docs.items():
+        out.append(f"## {bench}\n")
+        if bench == "bench_engine":
+            out.append("Each row its own run (`python benchmarks/bench_engine.py ...`); last: "
+                       f"`{doc.get('command', '')}`, {doc.get('date', '')}.\n")
+            out += engine_table(doc)
+        else:
+            out.append(f"`{doc.get('command', '')}` on {doc.get('gpu', '?')}, commit "
+                       f"{doc.get('commit', '?')}, {doc.get('date', '')}.\n")
+            out += kernel_table(doc)
+        out.append("")
+    return "\n".join(out)
+
+
+def readme_rows(docs: dict[str, dict]) -> list[str]:
+    """README's table: one line a row (what, ours, baseline in the same run, ratio, GPU, commit)."""
+    lines = ["| what | ours | baseline (same run) | ratio | GPU | commit |",
+             "|---|---|---|---|---|---|"]
+    for bench, doc in docs.items():
+        for r in doc.get("rows", []):
+            if bench == "bench_engine":
+                ours = f"{r['output_tok_s']:,.0f} tok/s" if r.get("output_tok_s") else ""
+                if r.get("mode") == "batch1" and r.get("decode_tok_s"):
+                    ours = f"{r['decode_tok_s']:,.1f} decode tok/s"
+                base = (f"{r['baseline']} {r['baseline_tok_s']:,.0f} tok/s"
+                        if r.get("baseline_tok_s") else "-")
+                what = f"{r['model']}, {r['workload']} ({settings_label(r.get('settings'))})"
+                gpu, commit = r.get("gpu", doc.get("gpu", "")), r.get("commit", "")
+            elif r.get("headline"):
+                unit = r.get("unit", "")
+                ours = _rate(r.get("ours_rate"), unit) or f"{_us(r['ours_us'])} us"
+                base = (f"{r.get('baseline')} "
+                        f"{_rate(r.get('baseline_rate'), unit) or _us(r.get('baseline_us'))}"
+                        if r.get("baseline") else "-")
+                what = f"{r['op']} {r['case']}"
+                gpu, commit = doc.get("gpu", ""), doc.get("commit", "")
+            else:
+                continue
+            ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
+            lines.append(f"| {what} | {ours} | {base} | {ratio} | {gpu} | {commit} |")
+    return lines if len(lines) > 2 else []
+
+
+def update_readme(readme: Path, rows: list[str]) -> bool:
+    """Replaces what is between the markers; False when the file or a marker is missing."""
+    if not readme.exists():
+        return False
+    text = readme.read_text()
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        return False
+    body = rows or ["No results yet: `python benchmarks/report.py` fills this table from the "
+                    "benchmarks' JSON."]
+    new = (text[:text.index(BEGIN) + len(BEGIN)] + "\n" + "\n".join(body) + "\n"
+           + text[text.index(END):])
+    if new != text:
+        readme.write_text(new)
+    return True
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("report.py: the plots need matplotlib: pip install matplotlib (or "
+                         "pip install -e \".[plots]\"); --no-plots writes the tables only") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    fig.clf()
+    return path
+
+
+def _subtitle(doc: dict) -> str:
+    return f"{doc.get('gpu', '?')}, commit {doc.get('commit', '?')}, {doc.get('date', '')}"
+
+
+def _ceiling(ax, unit: str):
+    value = record.CEILINGS.get(unit)
+    if value:
+        what = "read ceiling" if unit == "TB/s" else "cuBLAS 8192^3"
+        ax.axhline(value, color="gray", ls=":", lw=1.2, label=f"H200 {what} {value:g} {unit}")
+
+
+def plot_elementwise(plt, docs, path: Path):
+    rows = [r for b in ("bench_elementwise", "bench_qk_norm_rope") for r in
+            docs.get(b, {}).get("rows", []) if r.get("size") and r.get("unit") == "TB/s"]
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    if not ops:
+        return None
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        rs = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size"])
+        xs = [r["size"] for r in rs]
+        ax.plot(xs, [r["ours_rate"] for r in rs], "o-", label="ours")
+        base = rs[0].get("baseline") or "baseline"
+        ax.plot(xs, [r.get("baseline_rate") for r in rs], "s--", label=base)
+        _ceiling(ax, "TB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel(f"{rs[0].get('size_name') or 'T'} (tokens)")
+        ax.set_ylabel("TB/s")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    doc = docs.get("bench_elementwise") or docs["bench_qk_norm_rope"]
+    fig.suptitle(f"Elementwise ops vs torch.compile ({_subtitle(doc)})", fontsize=10)
+    return _save(fig, path)
+
+
+def _bars(plt, doc, unit: str, title: str, path: Path, only=None):
+    rows = [r for r in doc.get("rows", []) if r.get("unit") == unit and (only is None or only(r))]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["ours_rate"] for r in rows], 0.4, label="ours")
+    ax.bar([x + 0.2 for x in xs], [r.get("baseline_rate") or 0 for r in rows], 0.4,
+           label=rows[0].get("baseline") or "baseline")
+    _ceiling(ax, unit)
+    ax.set_xticks(list(xs), [r["case"] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(unit)
+    ax.set_title(f"{title} ({_subtitle(doc)})", fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_linear(plt, doc, path: Path):
+    rows = [r for r in doc.get("rows", []) if r.get("size") and " qkv " in f" {r['case']} "
+            and " tp" not in r["case"]]
+    if not rows:
+        return None
+    models = list(dict.fromkeys(r["case"].split()[0] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, unit in zip(axes, ("TB/s", "TFLOP/s")):
+        for i, m in enumerate(models):
+            rs = sorted((r for r in rows if r["case"].split()[0] == m and r["unit"] == unit),
+                        key=lambda r: r["size"])
+            if not rs:
+                continue
+            color = f"C{i}"
+            ax.plot([r["size"] for r in rs], [r["ours_rate"] for r in rs], "o-", color=color,
+                    label=f"{m} ours")
+            ax.plot([r["size"] for r in rs], [r.get("baseline_rate") for r in rs], "x--",
+                    color=color, alpha=0.6, label=f"{m} cuBLAS")
+        _ceiling(ax, unit)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.set_title("weight streaming (small M)" if unit == "TB/s" else "compute (large M)",
+                     fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"linear (fused QKV shapes) vs cuBLAS ({_subtitle(doc)})", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_engine(plt, doc, path: Path):
+    rows = [r for r in doc.get("rows", []) if r.get("output_tok_s")]
+    if not rows:
+        return None
+    by_batch = [r for r in rows if r.get("decode_tok_s_by_batch")]
+    fig, axes = plt.subplots(1, 2 if by_batch else 1, figsize=(12 if by_batch else 7, 4.4),
+                             squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{r.get('size') or r['model']} {r['workload'].split(':')[0]}\n"
+              + settings_label(r.get("settings")).replace(", ", "\n") for r in rows]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["output_tok_s"] for r in rows], 0.4, label="ours")
+    if any(r.get("baseline_tok_s") for r in rows):
+        ax.bar([x + 0.2 for x in xs], [r.get("baseline_tok_s") or 0 for r in rows], 0.4,
+               label="transformers")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("output tok/s")
+    ax.set_title("output tok/s by workload / setting", fontsize=9)
+    ax.legend(fontsize=7)
+    if by_batch:
+        ax = axes[0][1]
+        for r in by_batch:
+            bins = sorted(r["decode_tok_s_by_batch"].items(), key=lambda kv: int(kv[0]))
+            xs_b = [min(int(k), 512) for k, _ in bins]  # the last bin is open-ended
+            ax.plot(xs_b, [v for _, v in bins], "o-",
+                    label=f"{r.get('size') or r['model']} {settings_label(r.get('settings'))}")
+        ax.set_xlabel("decode batch size (upper end of the bin)")
+        ax.set_ylabel("decode tok/s in those steps")
+        ax.set_title("decode tok/s by batch size (--timeline)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Engine ({_subtitle(doc)})", fontsize=10)
+    return _save(fig, path)
+
+
+def plots(docs: dict[str, dict], plots_dir: Path) -> list[Path]:
+    plt = _pyplot()
+    made = [plot_elementwise(plt, docs, plots_dir / "elementwise.png")]
+    if "bench_attention_decode" in docs:
+        made.append(_bars(plt, docs["bench_attention_decode"], "TB/s",
+                          "paged_attention_decode vs cuDNN SDPA",
+                          plots_dir / "attention_decode.png",
+                          only=lambda r: not r["case"].endswith("short")))
+    if "bench_attention_prefill" in docs:
+        made.append(_bars(plt, docs["bench_attention_prefill"], "TFLOP/s",
+                          "paged_attention_prefill vs cuDNN SDPA",
+                          plots_dir / "attention_prefill.png"))
+    if "bench_linear" in docs:
+        made.append(plot_linear(plt, docs["bench_linear"], plots_dir / "linear.png"))
+    if "bench_engine" in docs:
+        made.append(plot_engine(plt, docs["bench_engine"], plots_dir / "engine.png"))
+    plt.close("all")
+    return [p for p in made if p is not None]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results-dir", type=Path, default=record.DEFAULT_RESULTS_DIR)
+    p.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--plots-dir", type=Path, default=HERE / "plots")
+    p.add_argument("--readme", type=Path, default=HERE.parent / "README.md")
+    p.add_argument("--no-plots", action="store_true", help="the tables only (no matplotlib)")
+    args = p.parse_args(argv)
+    docs = load(args.results_dir)
+    args.results_md.write_text(results_md(docs))
+    print(f"{args.results_md}: {sum(len(d.get('rows', [])) for d in docs.values())} rows "
+          f"from {len(docs)} files")
+    if update_readme(args.readme, readme_rows(docs)):
+        print(f"{args.readme}: results table updated")
+    if not args.no_plots and docs:
+        for path in plots(docs, args.plots_dir):
+            print(f"{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

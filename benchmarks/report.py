@@ -1,7 +1,7 @@
 """One command from the benchmarks' JSON to what users read: RESULTS.md, the plots, README's table.
 
     python benchmarks/report.py                          # benchmarks/results/*.json -> all three
-    python benchmarks/report.py --results-dir out/results --no-plots
+    python benchmarks/report.py --results-dir out/results --no-plots --no-readme
 
 Reads every benchmarks/results/<bench>.json (record.py says what is in one) and writes
   benchmarks/RESULTS.md            current tables only, each with its command, date, GPU, commit
@@ -350,12 +350,13 @@ def main(argv=None) -> int:
     p.add_argument("--plots-dir", type=Path, default=HERE / "plots")
     p.add_argument("--readme", type=Path, default=HERE.parent / "README.md")
     p.add_argument("--no-plots", action="store_true", help="the tables only (no matplotlib)")
+    p.add_argument("--no-readme", action="store_true", help="leave README.md alone")
     args = p.parse_args(argv)
     docs = load(args.results_dir)
     args.results_md.write_text(results_md(docs))
     print(f"{args.results_md}: {sum(len(d.get('rows', [])) for d in docs.values())} rows "
           f"from {len(docs)} files")
-    if update_readme(args.readme, readme_rows(docs)):
+    if not args.no_readme and update_readme(args.readme, readme_rows(docs)):
         print(f"{args.readme}: results table updated")
     if not args.no_plots and docs:
         for path in plots(docs, args.plots_dir):

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# One whole GPU round in one command: install (build the extension), GPU tests, benchmarks, a table.
+# One whole GPU round in one command: install (build the extension), GPU tests, benchmarks, results.
 #
 #   bash scripts/gpu_round.sh                      # everything
 #   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
-#   ENGINE="--size 8B --batch1" bash scripts/gpu_round.sh   # engine runs, ";"-separated; leading
-#                         # NAME=VALUE words set the environment of that run only
+#   ENGINE="--size 8B --batch1;--size 8B --no-overlap-steps" bash scripts/gpu_round.sh
+#                         # bench_engine.py runs, ";"-separated (each its flags)
 #   TEST_TIMEOUT=300 FILE_TIMEOUT=900  # a test past 300 s dumps its stacks; a file past 900 s is killed
 #   PARALLEL=1 ...        # on a machine with >= 2 GPUs: the test files run at once (each file one
 #                         # process, round-robin over all GPUs but the last) while the benchmarks run
 #                         # alone on the last GPU; tests needing 2 GPUs do not belong in such a round
 #
-# On the lent H200 (no internet) the nvidia-cutlass wheel travels in .whl/ (see README). Logs and
-# the benchmark table go to $OUT (or ./out) so they come back.
+# Where things go: logs to $OUT (or ./out); every benchmark writes its JSON to $OUT/results
+# (--results-dir), and the round ends with $OUT/RESULTS.md made from them (report.py, tables only).
+# To publish a round: copy $OUT/results/*.json into benchmarks/results/, then run
+# `python benchmarks/report.py` on any machine with matplotlib: it rewrites benchmarks/RESULTS.md,
+# benchmarks/plots/*.png and README's results table; commit the four.
+#
+# A machine without internet (the lent H200) cannot fetch the build's nvidia-cutlass: put its wheel
+# in .whl/ first (`pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl`, on a machine that has
+# the index) and carry it along: .whl/ is git-ignored, so the device call must name it
+# (`carry: [".whl"]`); this script installs it from there before the build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -72,15 +80,16 @@ if [ "$TESTS" != none ]; then
 fi
 
 BENCH=${BENCH:-$(cd benchmarks && ls bench_*.py | grep -v bench_engine | tr '\n' ' ')}
+RESULTS="$(cd "$OUT" && pwd)/results"
+mkdir -p "$RESULTS"
 if [ "$BENCH" != none ]; then
-  rm -f "$OUT/bench.md"; : > "$OUT/bench.log"
-  for f in $BENCH; do  # one process per file, each under a time limit
-    (cd benchmarks && BENCH_RESULTS="$OUT/bench.md" timeout "${BENCH_TIMEOUT:-300}" \
-       python3 -m pytest -q -s -p no:cacheprovider --benchmark-disable $f ${BENCH_ARGS:-} 2>&1) \
+  : > "$OUT/bench.log"
+  for f in $BENCH; do  # one process per file, each under a time limit; each writes $RESULTS/<bench>.json
+    (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" \
+       python3 -m pytest -q -s -p no:cacheprovider $f --results-dir "$RESULTS" ${BENCH_ARGS:-} 2>&1) \
        >> "$OUT/bench.log"
   done
   grep -E "FAILED|Error" "$OUT/bench.log" | head -20
-  echo; echo "== benchmark table =="; cat "$OUT/bench.md" 2>/dev/null
 fi
 
 if [ "${BG_TESTS:-0}" = 1 ]; then
@@ -90,19 +99,21 @@ if [ "${BG_TESTS:-0}" = 1 ]; then
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
 
-# Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random weights.
-ENGINE=${ENGINE:-"--size 0.6B;--size 0.6B --num-seqs 32 --baseline hf;--size 8B --batch1;--size 8B"}
+# Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random
+# weights; the defaults, the throughput setting (README) and batch 1.
+ENGINE=${ENGINE:-"--size 0.6B;--size 0.6B --num-seqs 32 --baseline hf;--size 8B --batch1;--size 8B;\
+--size 8B --scheduling-policy longest_first --max-num-seqs 176 --max-num-batched-tokens 384"}
 if [ "$ENGINE" != none ]; then
   : > "$OUT/engine.log"
   IFS=';' read -ra runs <<< "$ENGINE"
   for args in "${runs[@]}"; do
     echo "== bench_engine.py $args ==" | tee -a "$OUT/engine.log"
-    # leading NAME=VALUE words are environment for this run only, e.g. "QWEN3_GEMV_VARIANT=nopdl --size 8B"
-    envs=(); flags=()
-    for word in $args; do
-      if [ ${#flags[@]} -eq 0 ] && [[ "$word" =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$word"); else flags+=("$word"); fi
-    done
-    (cd benchmarks && env "${envs[@]}" timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py "${flags[@]}" 2>&1) \
-      | grep -v "Generating" | tee -a "$OUT/engine.log" | tail -6
+    read -ra flags <<< "$args"
+    (cd benchmarks && timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py "${flags[@]}" \
+       --results-dir "$RESULTS" 2>&1) | grep -v "Generating" | tee -a "$OUT/engine.log" | tail -6
   done
 fi
+
+# Every table of this round, from its JSON (the plots and README come from report.py at home).
+python3 benchmarks/report.py --results-dir "$RESULTS" --results-md "$OUT/RESULTS.md" --no-plots \
+  --no-readme && cat "$OUT/RESULTS.md" | sed -n '/^## /,$p'

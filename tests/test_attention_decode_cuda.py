@@ -1,4 +1,5 @@
-"""CUDA tests of paged_attention_decode (csrc/kernels/attention/decode.cu) against the fp32 reference.
+"""CUDA tests of paged_attention_decode (csrc/kernels/attention/decode.cu) against the fp32
+reference.
 
 Tolerance (the FlashAttention-3 rule, TARGETS.md): our max abs error against the fp32 reference must
 be at most twice the max abs error of PyTorch SDPA in the same low precision on the same dense
@@ -9,27 +10,23 @@ Inputs come from ``tests.test_attention_reference.make_paged_kv``: shuffled bloc
 unowned cache slot (the tail of a sequence's last block, spare blocks, unused table entries) NaN.
 Outputs are NaN-poisoned before each call, so every element must be written.
 
-Both kernel paths are covered: one split (the batch fills the GPU: out written directly) and
-split-KV with the combine pass (small batches, long contexts), chosen by the launcher from
-B * Hkv against the SM count. Every tuning switch (qwen3_kernels.decode_tuning: kernel variant,
-forced split count, interleaved splits, the fast combine, PDL on the main kernel) is tested on its
-own and combined, against the same reference, with a NaN-poisoned workspace.
+Every launch the kernel picks from the shape (decode.cu's choose_launch) is covered: the batch
+shape (B * Hkv fills the SMs: w4s3) with one split (out written directly) and with contiguous splits
+and the looping combine (B * Hkv just above the SM count), and the split shape (small batches:
+w8s3c1, interleaved splits, the one-round-trip combine, PDL), each against the same reference, with
+a NaN-poisoned workspace, and under CUDA graph replay after the lengths and tables change.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import qwen3_kernels
 import qwen3_kernels.reference as ref
-from qwen3_kernels import decode_tuning as dt
 from qwen3_kernels.ops import MAX_DECODE_SPLITS, decode_workspace
 from tests.helpers import rel_err, requires_cuda
 from tests.test_attention_reference import GQA, make_paged_kv, sdpa_decode
@@ -41,7 +38,7 @@ EPS = 1e-5
 
 
 def _run_case(lens, hq, hkv, block_size, dtype=torch.bfloat16, seed=0, q_std=2.0):
-    """Builds a case on the GPU, runs the op into a NaN-poisoned out, returns (out, case, q, scale)."""
+    """Builds a case on the GPU, runs the op into a NaN-poisoned out; (out, case, q, scale)."""
     case = make_paged_kv(lens, hkv, block_size, dtype=dtype, device="cuda", seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     q = (torch.randn(len(lens), hq, D, generator=g) * q_std).to("cuda", dtype)
@@ -115,7 +112,8 @@ def _direct(case, q, scale, max_splits):
     out = torch.full_like(q, float("nan"))
     ws = torch.full((q.shape[0], q.shape[1], max_splits, D + 1), float("nan"), device="cuda")
     torch.ops.qwen3_kernels.paged_attention_decode(out, q, case["k_cache"], case["v_cache"],
-                                                   case["block_tables"], case["seq_lens"], scale, ws)
+                                                   case["block_tables"], case["seq_lens"], scale,
+                                                   ws)
     return out
 
 
@@ -139,41 +137,20 @@ def test_decode_zero_length_sequences_give_zeros(lens):
         _check(out, case, q, scale, rows=live)
 
 
-@pytest.fixture
-def tuned(request):
-    """Runs the test under decode tuning request.param = (num_splits, variant, flags); restores."""
-    num_splits, variant, flags = request.param
-    if not dt.available():
-        pytest.skip("the extension has no decode tuning hooks")
-    if not _fits(variant):
-        pytest.skip(f"{variant} needs more shared memory than this GPU has per block")
-    with dt.tuning(num_splits, variant, flags):
-        yield request.param
+def _batch_just_over_the_sms(hkv):
+    """A batch whose B * Hkv CTAs just exceed the SM count: the batch shape (w4s3) with more than
+    one split (contiguous ranges, the looping combine) at long contexts."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return sms // hkv + 1
 
 
-def _fits(variant):
-    optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 1 << 30)
-    return dt.variant_smem_bytes(variant) <= optin
-
-
-ALL_FLAGS = dt.INTERLEAVE | dt.FAST_COMBINE | dt.PDL | dt.FUSED_COMBINE
-
-
-def _ids(tunings):
-    """Test ids that need no extension (collection runs everywhere): w4s3-auto-f0, w8s3-s7-f7."""
-    return [f"{v}-{f's{n}' if n else 'auto'}-f{f}" for n, v, f in tunings]
-
-
-GRAPH_TUNINGS = [(0, "w4s3", 0), (0, "w4s3", ALL_FLAGS), (0, "w8s3", ALL_FLAGS),
-                 (7, "w4s2", ALL_FLAGS)]
-
-
-@pytest.mark.parametrize("tuned", GRAPH_TUNINGS, indirect=True, ids=_ids(GRAPH_TUNINGS))
-@pytest.mark.parametrize("batch", [4, 48])
-def test_decode_cuda_graph_replay_after_lens_and_tables_change(batch, tuned):
+@pytest.mark.parametrize("batch", [1, 4, "over_sms", 48])
+def test_decode_cuda_graph_replay_after_lens_and_tables_change(batch):
     # One cache holds two sets of sequences; the graph is captured on the first set's block tables
     # and lengths, then the static buffers get the second set's values and the graph is replayed.
     hq, hkv, bs = 32, 8, 16
+    if batch == "over_sms":
+        batch = _batch_just_over_the_sms(hkv)
     rnd = random.Random(batch)
     lens_a = [rnd.randint(1, 1200) for _ in range(batch)]
     lens_b = [rnd.randint(1, 2500) for _ in range(batch)]
@@ -254,11 +231,7 @@ def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
                                                        lens, 0.1, ws)
 
 
-# ---- tuning switches (qwen3_kernels.decode_tuning) --------------------------------------------
-
-VARIANTS = ["w4s3", "w4s2", "w4s4", "w4s6", "w8s3", "w8s3c1", "w8s3c2"]
-FLAG_SETS = [0, dt.INTERLEAVE, dt.FAST_COMBINE, dt.PDL, dt.FUSED_COMBINE, ALL_FLAGS]
-FORCED_SPLITS = [0, 1, 2, 7, 64]  # 0 = the launcher's choice
+# ---- every launch the shape picks, at block boundaries, 32k, each GQA ratio ---------------------
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,92 +262,39 @@ def _run_boundary(hq, hkv, bs):
     assert ours_rel <= 2 * base_rel + EPS, f"rel err {ours_rel:.3e} vs torch {base_rel:.3e}"
 
 
-TUNINGS = [(n, v, f) for v in VARIANTS for f in FLAG_SETS for n in FORCED_SPLITS]
-
-
-@pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("tuned", TUNINGS, indirect=True, ids=_ids(TUNINGS))
-def test_decode_every_tuning_at_block_boundaries_and_32k(tuned, block_size):
-    num_splits = tuned[0]
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+def test_decode_split_shape_at_block_boundaries_and_32k(block_size):
+    # 5 sequences x 8 kv heads: the split shape, a short sequence written by split 0 alone
     _run_boundary(32, 8, block_size)
-    if num_splits:
-        assert dt.last_num_splits() == num_splits  # the forced count reached the launch
-
-
-GQA_TUNINGS = ([(n, v, ALL_FLAGS) for v in VARIANTS for n in (0, 1, 7)]
-               + [(2, "w4s3", 0), (64, "w4s3", 0)])
 
 
 @pytest.mark.parametrize("hq,hkv", GQA)
-@pytest.mark.parametrize("tuned", GQA_TUNINGS, indirect=True, ids=_ids(GQA_TUNINGS))
-def test_decode_every_variant_with_each_gqa_ratio(tuned, hq, hkv):
+def test_decode_split_shape_with_each_gqa_ratio(hq, hkv):
     _run_boundary(hq, hkv, 16)
 
 
-LARGE_TUNINGS = [(0, v, f) for v in VARIANTS for f in (0, ALL_FLAGS)]
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_batch_shape_with_splits(block_size):
+    # B * Hkv just over the SM count: w4s3, contiguous splits and the looping combine; a NaN
+    # workspace, short sequences (one chunk: written by split 0) among long ones
+    hkv = 8
+    batch = _batch_just_over_the_sms(hkv)
+    rnd = random.Random(block_size)
+    lens = [rnd.randint(1, 6000) for _ in range(batch - 3)] + [1, block_size + 1, 8192]
+    case = make_paged_kv(lens, hkv, block_size, dtype=torch.bfloat16, device="cuda", seed=31)
+    q = (torch.randn(batch, 32, D, generator=torch.Generator().manual_seed(32)) * 2).to(
+        "cuda", torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    out = torch.full_like(q, float("nan"))
+    ws = decode_workspace(batch, 32, D, "cuda").fill_(float("nan"))
+    qwen3_kernels.paged_attention_decode(q, case["k_cache"], case["v_cache"], case["block_tables"],
+                                         case["seq_lens"], scale, out=out, workspace=ws)
+    _check(out, case, q, scale)
 
 
-@pytest.mark.parametrize("tuned", LARGE_TUNINGS, indirect=True, ids=_ids(LARGE_TUNINGS))
-def test_decode_every_variant_large_batch_and_group_of_20(tuned):
+def test_decode_large_batch_and_group_of_20():
     # one split (B * Hkv fills the GPU) and two CTAs per kv head (20 q heads per kv head)
     rnd = random.Random(21)
     lens = [rnd.randint(1, 2500) for _ in range(64)] + [1, 16, 4096]
     _check(*_run_case(lens, 32, 8, 16, seed=22))
     _check(*_run_case([1, 300, 2049], 40, 2, 16, seed=23))
-
-
-@pytest.mark.parametrize("splits", [2, 7, 64])
-def test_decode_fused_combine_rearms_its_counters(splits):
-    """The fused combine's arrival counters are back at zero after every call: calls in a row with
-    other batch sizes, GQA ratios and split counts each write every output (NaN poison) and match
-    the reference; a counter left behind would skip or repeat some (sequence, kv head)'s merge."""
-    if not dt.available():
-        pytest.skip("the extension has no decode tuning hooks")
-    for n in (splits, 3, splits):
-        with dt.tuning(n, "w8s3", dt.INTERLEAVE | dt.FUSED_COMBINE):
-            for lens, hq, hkv in (([5, 700, 3000], 32, 8), ([1], 40, 8), ([2049, 17, 333, 1], 16, 8)):
-                _check(*_run_case(lens, hq, hkv, 16, seed=n + len(lens)))
-
-
-def test_decode_tuning_api():
-    if not dt.available():
-        pytest.skip("the extension has no decode tuning hooks")
-    assert dt.variants() == VARIANTS
-    before = dt.get()
-    with dt.tuning(5, "w8s3", dt.INTERLEAVE | dt.PDL):
-        assert dt.get() == (5, VARIANTS.index("w8s3"), dt.INTERLEAVE | dt.PDL)
-    assert dt.get() == before
-    with pytest.raises(ValueError):
-        dt.set_tuning(0, "w9s9", 0)
-    with pytest.raises(ValueError):
-        dt.set_tuning(0, 0, 64)  # not a flag
-    with pytest.raises(ValueError):
-        dt.set_tuning(-1, 0, 0)
-    assert dt.get() == before
-
-
-def test_decode_tuning_from_the_environment():
-    # the initial values are read once per process: check them in a fresh one
-    code = ("import torch, qwen3_kernels; from qwen3_kernels import decode_tuning as dt; "
-            "print(dt.get())")
-    env = {**os.environ, "QWEN3_DECODE_SPLITS": "3", "QWEN3_DECODE_VARIANT": "w4s6",
-           "QWEN3_DECODE_FLAGS": "6"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == f"(3, {VARIANTS.index('w4s6')}, 6)"
-
-
-def test_decode_default_is_the_automatic_choice():
-    # a fresh process without the tuning variables: variant AUTO (w4s3 when the batch fills the
-    # GPU, w8s3c1 + interleave, fast combine, PDL when it needs splits), no forced splits, no
-    # explicit flags
-    if not dt.available():
-        pytest.skip("the extension has no decode tuning hooks")
-    code = ("import torch, qwen3_kernels; from qwen3_kernels import decode_tuning as dt; "
-            "print(dt.get())")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN3_DECODE_")}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == f"(0, {dt.AUTO}, 0)"

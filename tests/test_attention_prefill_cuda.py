@@ -1,4 +1,5 @@
-"""CUDA tests of paged_attention_prefill (csrc/kernels/attention/prefill.cu) against the fp32 reference.
+"""CUDA tests of paged_attention_prefill (csrc/kernels/attention/prefill.cu) against the fp32
+reference.
 
 Tolerance (the FlashAttention-3 rule, TARGETS.md): per sequence, our error against the fp32
 reference must be at most twice the error of PyTorch doing the same attention in the low precision
@@ -9,15 +10,16 @@ Every cache slot the sequences do not own is NaN, and block-table entries past a
 block point at a NaN block, so a kernel that reads a key it must not see fails loudly. Outputs are
 NaN-poisoned before the call, so every element must be written.
 
-On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu, ping-pong, 3 K/V
-stages: "ws3p", persistent, up to 8192 queries a sequence, "ws3" above); QWEN3_PREFILL_NO_WGMMA=1 selects the portable mma.sync kernel (prefill.cu),
-QWEN3_PREFILL_VARIANT=sm90 the single-role wgmma kernel (prefill_sm90.cu), ws the
-warp-specialised one with ping-pong and 2 stages, ws_nopp / ws3_nopp without ping-pong (2 / 3
-stages), ws3 / ws3p each explicitly. The `kernel_path` fixture runs each test on every path.
+On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu): persistent (one CTA
+per SM walks the work tiles) up to 8192 queries a sequence, one CTA per work tile above; elsewhere
+the portable mma.sync kernel (prefill.cu). The `grid` fixture runs each test on both grids: the
+one-tile grid by passing a max_seqlen_q above 8192, which only sizes the grid (the extra M blocks
+are empty).
 """
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -84,10 +86,11 @@ class Case:
         j = torch.arange(start, end, device=self.block_tables.device)
         slots = self.block_tables[b].long()[j // self.bs] * self.bs + j % self.bs
         self.k_cache.view(-1, self.hkv, D)[slots] = self.keys[b][start:end].to(self.k_cache.device)
-        self.v_cache.view(-1, self.hkv, D)[slots] = self.values[b][start:end].to(self.v_cache.device)
+        self.v_cache.view(-1, self.hkv, D)[slots] = self.values[b][start:end].to(
+            self.v_cache.device)
 
     def chunk(self, start, n):
-        """This single-sequence case's call for queries [start, start + n) over keys [0, start + n)."""
+        """This single-sequence case's call: queries [start, start + n), keys [0, start + n)."""
         step = Case.__new__(Case)
         step.__dict__.update(self.__dict__)
         dev = self.q.device
@@ -110,9 +113,9 @@ class Case:
 
 def run_ours(case, max_seqlen_q=None):
     out = torch.full_like(case.q, float("nan"))  # poisoned: every element must be written
-    res = ops.paged_attention_prefill(
-        *case.args(), case.max_seqlen_q if max_seqlen_q is None else max_seqlen_q, case.scale,
-        out=out)
+    max_seqlen_q = case.max_seqlen_q if max_seqlen_q is None else max_seqlen_q
+    res = ops.paged_attention_prefill(*case.args(), max(max_seqlen_q, _min_seqlen_q), case.scale,
+                                      out=out)
     assert res is out
     return out
 
@@ -171,26 +174,15 @@ def check_against_reference(case, ours):
             f"sequence {b} (Lq={lq}, Lk={lk}): error {ours_err:.3e} > 2 x torch's {torch_err:.3e}")
 
 
-# auto: whatever the device picks (on sm_90 the warp-specialised kernel with ping-pong and 3
-# stages, prefill_sm90_ws.cu: ws3p up to 8192 queries a sequence, ws3 above); mma_sync: the
-# portable kernel; sm90: the single-role wgmma kernel (prefill_sm90.cu); ws3: one CTA per work
-# tile; ws3p: persistent (one CTA per SM walks the work tiles); ws: ping-pong with 2 stages;
-# ws_nopp, ws3_nopp: no ping-pong (2 / 3 stages); chosen by
-# QWEN3_PREFILL_VARIANT, which the launcher reads per call. Off Hopper all but mma_sync
-# run the default kernel.
-KERNEL_PATHS = ["auto", "mma_sync", "sm90", "ws", "ws3", "ws_nopp", "ws3_nopp", "ws3p"]
+# max_seqlen_q above which prefill.cu launches the one-tile grid instead of the persistent one
+PERSISTENT_MAX_SEQLEN_Q = 8192
+_min_seqlen_q = 0  # run_ours passes at least this max_seqlen_q (set by the `grid` fixture)
 
 
-@pytest.fixture(params=KERNEL_PATHS)
-def kernel_path(request, monkeypatch):
-    if request.param == "mma_sync":
-        monkeypatch.setenv("QWEN3_PREFILL_NO_WGMMA", "1")
-    else:
-        monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
-    if request.param not in ("auto", "mma_sync"):
-        monkeypatch.setenv("QWEN3_PREFILL_VARIANT", request.param)
-    else:
-        monkeypatch.delenv("QWEN3_PREFILL_VARIANT", raising=False)
+@pytest.fixture(params=["persistent", "one_tile"])
+def grid(request, monkeypatch):
+    if request.param == "one_tile":
+        monkeypatch.setattr(sys.modules[__name__], "_min_seqlen_q", PERSISTENT_MAX_SEQLEN_Q + 1)
     return request.param
 
 
@@ -216,7 +208,7 @@ def _mixed_seqs(bs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize("hq,hkv", GQA)
-def test_prefill_mixed_batch(dtype, block_size, hq, hkv, kernel_path):
+def test_prefill_mixed_batch(dtype, block_size, hq, hkv, grid):
     case = Case(_mixed_seqs(block_size), hq, hkv, block_size, dtype,
                 seed=block_size * 100 + hq).cuda()
     check_against_reference(case, run_ours(case))
@@ -224,7 +216,7 @@ def test_prefill_mixed_batch(dtype, block_size, hq, hkv, kernel_path):
 
 @requires_cuda
 @pytest.mark.parametrize("block_size", [32, 128])
-def test_prefill_other_block_sizes(block_size, kernel_path):
+def test_prefill_other_block_sizes(block_size, grid):
     case = Case(_mixed_seqs(block_size), 32, 8, block_size, torch.bfloat16, seed=block_size).cuda()
     check_against_reference(case, run_ours(case))
 
@@ -232,7 +224,7 @@ def test_prefill_other_block_sizes(block_size, kernel_path):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_prefill_long_and_short_together(dtype, block_size, kernel_path):
+def test_prefill_long_and_short_together(dtype, block_size, grid):
     seqs = [(4096, 4096), (3, 3), (1000, 3000), (1, 1), (513, 513)]
     case = Case(seqs, 32, 8, block_size, dtype, seed=7).cuda()
     check_against_reference(case, run_ours(case))
@@ -240,9 +232,9 @@ def test_prefill_long_and_short_together(dtype, block_size, kernel_path):
 
 @requires_cuda
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_prefill_many_work_tiles(block_size, kernel_path):
+def test_prefill_many_work_tiles(block_size, grid):
     """More work tiles than SMs several times over, of every length, with empty M blocks between
-    them: the persistent kernel (ws3p) walks many per CTA, its K/V ring and Q barrier running on
+    them: the persistent grid walks many per CTA, its K/V ring and Q barrier running on
     across tiles of different sequences and lengths."""
     gen = torch.Generator().manual_seed(block_size)
     seqs = []
@@ -258,10 +250,9 @@ def test_prefill_many_work_tiles(block_size, kernel_path):
 
 
 @requires_cuda
-def test_prefill_persistent_in_cuda_graph(monkeypatch):
-    """ws3p captured and replayed after the inputs change, and on a second stream."""
-    monkeypatch.delenv("QWEN3_PREFILL_NO_WGMMA", raising=False)
-    monkeypatch.setenv("QWEN3_PREFILL_VARIANT", "ws3p")
+def test_prefill_persistent_in_cuda_graph():
+    """The persistent grid (on Hopper) captured and replayed after the inputs change, and on a
+    second stream."""
     case = Case(_mixed_seqs(64), 32, 8, 64, torch.bfloat16, seed=5).cuda()
     out = torch.full_like(case.q, float("nan"))
     ops.paged_attention_prefill(*case.args(), case.max_seqlen_q, case.scale, out=out)  # warm-up
@@ -282,14 +273,14 @@ def test_prefill_persistent_in_cuda_graph(monkeypatch):
 
 @requires_cuda
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8)])
-def test_prefill_long_prefix_32k(hq, hkv, kernel_path):
+def test_prefill_long_prefix_32k(hq, hkv, grid):
     seqs = [(64, 32768), (1, 32768)]  # short chunks over a 32k-key cached context
     case = Case(seqs, hq, hkv, 256, torch.bfloat16, seed=11).cuda()
     check_against_reference(case, run_ours(case))
 
 
 @requires_cuda
-def test_prefill_oversized_max_seqlen_q(kernel_path):
+def test_prefill_oversized_max_seqlen_q(grid):
     """max_seqlen_q only sizes the grid: a larger value than the longest sequence is fine."""
     case = Case([(5, 20), (70, 70)], 32, 8, 16, torch.bfloat16, seed=3).cuda()
     check_against_reference(case, run_ours(case, max_seqlen_q=case.max_seqlen_q + 300))
@@ -298,7 +289,7 @@ def test_prefill_oversized_max_seqlen_q(kernel_path):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_prefill_in_chunks_matches_one_shot(dtype, block_size, kernel_path):
+def test_prefill_in_chunks_matches_one_shot(dtype, block_size, grid):
     """Chunked prefill: each call sees the keys written so far (keys beyond are still NaN)."""
     total = 1200
     chunks = [300, 1, block_size, 444, total - 745 - block_size]

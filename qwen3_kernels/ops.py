@@ -13,7 +13,6 @@ reference, and each op has a fake impl so ``torch.compile(fullgraph=True)`` trac
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -73,20 +72,6 @@ except ImportError as e:  # built without CUDA, or the build is missing
         _lib_def.define(_schema)
 
 _OPS = torch.ops.qwen3_kernels
-
-
-@functools.lru_cache(maxsize=None)
-def extension_cdll():
-    """The loaded extension as a ctypes library, for the C tuning hooks some kernels export
-    (decode_tuning.py, elementwise_tuning.py); None without the built extension. dlopen of the
-    already loaded file returns the same handle: the hooks change the globals the ops use."""
-    if not has_cuda_kernels():
-        return None
-    import ctypes
-
-    from . import _C
-
-    return ctypes.CDLL(_C.__file__)
 
 
 def has_cuda_kernels() -> bool:
@@ -451,6 +436,9 @@ def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
     _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
     _check_contiguous(op, "out", out)
     _check_shape(op, "out", out, (x.shape[0], cols))
+    if _CHECKS and x.is_cuda and any(t.data_ptr() % 16 for t in (x, weight, out)):
+        _fail(op, "x, weight and out must start 16-byte aligned (the kernels' 16-byte loads and "
+                  "TMA); got a view at an odd offset")
     return out
 
 
@@ -467,9 +455,9 @@ def linear_silu_and_mul(
 ) -> torch.Tensor:
     """x [T, K], weight [2I, K] (gate rows, then up rows) -> out [T, I] = silu_and_mul(x @ weight^T).
 
-    The MLP's gate_up projection and its activation. On CUDA, up to 8 tokens run one
-    weight-streaming pass that never writes the [T, 2I] product; more tokens run cuBLAS and then
-    silu_and_mul. K and 2I multiples of 8.
+    The MLP's gate_up projection and its activation. On CUDA one token runs one weight-streaming
+    pass that never writes the [1, 2I] product; more tokens run cuBLAS and then silu_and_mul.
+    K and 2I multiples of 8.
     """
     op = "linear_silu_and_mul"
     out = _gemm_out(op, x, weight, out, "2I", lambda two_i: two_i // 2)

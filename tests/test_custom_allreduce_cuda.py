@@ -1,7 +1,7 @@
 """Two GPUs: qwen3_kernels.tp_all_reduce(_add_rms_norm), our one-shot all-reduce over peer memory
-(QWEN3_TP_ALLREDUCE=custom), against the fp32 reference of all_reduce + fused_add_rms_norm; both
+(LLM(tp_all_reduce="custom")), against the fp32 reference of all_reduce + fused_add_rms_norm; both
 ranks bit-identical; many calls in a row and from a CUDA graph replayed with changing inputs (the
-device-side call count and the two buffer halves). Every launch variant (QWEN3_CAR_VARIANT).
+device-side call count and the two buffer halves).
 A peer that never arrives: the call waits until the abort word is set, then returns. Skips
 without 2 GPUs:
     pytest -q -s tests/test_custom_allreduce_cuda.py
@@ -27,7 +27,6 @@ ROWS = (1, 3, 64, 257)
 HIDDENS = (1024, 4096, 5120)
 DTYPES = (torch.bfloat16, torch.float16)
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
-VARIANTS = ("auto", "nopdl")
 EPS = 1e-6
 
 
@@ -92,16 +91,15 @@ def _abort_unblocks_a_waiting_call(car, bufs):
     torch.ones(1, device="cuda").sum().item()  # the context is healthy (a trap would poison it)
 
 
-def _join(rank, world, port, env):
-    """This worker's GPU and process group; env (launch variants) is read by the extension at its
-    first launch, so it is set before anything runs."""
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _join(rank, world, port):
+    """This worker's GPU and process group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
 
 
-def _worker(rank, world, port, variant):
-    _join(rank, world, port, {"QWEN3_CAR_VARIANT": variant})
+def _worker(rank, world, port):
+    _join(rank, world, port)
     from qwen3_model.distributed import _CustomAllReduce
 
     car = _CustomAllReduce(max(ROWS), max(HIDDENS), torch.bfloat16, torch.device("cuda", rank))
@@ -120,7 +118,7 @@ def _worker(rank, world, port, variant):
                             qwen3_kernels.tp_all_reduce_add_rms_norm(x, res, weight, EPS, *bufs)
                         else:
                             qwen3_kernels.tp_all_reduce(x, *bufs)
-                        what = f"{variant} {dtype} T={t} H={h} norm={norm}"
+                        what = f"{dtype} T={t} H={h} norm={norm}"
                         _check(what, x, res, parts, residual, weight, norm)
                         _same_on_all_ranks(x, what)
                         _same_on_all_ranks(res, what)
@@ -139,7 +137,7 @@ def _worker(rank, world, port, variant):
             calls.append((i, x, res, parts, residual, weight, norm))
         torch.cuda.synchronize()
         for i, x, res, parts, residual, weight, norm in calls:
-            _check(f"{variant} in a row, call {i}", x, res, parts, residual, weight, norm)
+            _check(f"in a row, call {i}", x, res, parts, residual, weight, norm)
 
         # 3. a CUDA graph of dependent calls (a decode step in miniature), replayed many times with
         # new inputs: the epoch comes from the device, not from the captured arguments
@@ -174,9 +172,9 @@ def _worker(rank, world, port, variant):
                 want_x, want_r = ref.tp_all_reduce_add_rms_norm(torch.stack([x2] * WORLD), r1, weight, EPS)
                 # after the first norm x1 differs from the kernel's by rounding: compare with tolerance
                 torch.testing.assert_close(s2, want_x, atol=6e-2, rtol=3e-2,
-                                           msg=lambda m: f"{variant} graph replay {rep}: {m}")
+                                           msg=lambda m: f"graph replay {rep}: {m}")
                 torch.testing.assert_close(sres, want_r, atol=6e-2, rtol=3e-2,
-                                           msg=lambda m: f"{variant} graph replay {rep} residual: {m}")
+                                           msg=lambda m: f"graph replay {rep} residual: {m}")
                 _same_on_all_ranks(s2, f"graph replay {rep}")
                 _same_on_all_ranks(sres, f"graph replay {rep} residual")
         torch.cuda.synchronize()
@@ -209,9 +207,8 @@ def _worker(rank, world, port, variant):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_custom_allreduce_two_gpus(variant):
-    mp.spawn(_worker, args=(WORLD, free_port(), variant), nprocs=WORLD, join=True)
+def test_custom_allreduce_two_gpus():
+    mp.spawn(_worker, args=(WORLD, free_port()), nprocs=WORLD, join=True)
 
 
 # ---- tp_gemv_push: the projection's GEMV sends its row, the all-reduce runs pushed ------------
@@ -219,8 +216,8 @@ def test_custom_allreduce_two_gpus(variant):
 PUSH_SHAPES = ((4096, 2048), (4096, 6144), (1024, 3072), (12288, 4096))  # (H = N, K); 12288: 4 rows a warp
 
 
-def _push_worker(rank, world, port, gemv_variant):
-    _join(rank, world, port, {"QWEN3_GEMV_VARIANT": gemv_variant})
+def _push_worker(rank, world, port):
+    _join(rank, world, port)
     from qwen3_model.distributed import _CustomAllReduce
 
     car = _CustomAllReduce(4, max(h for h, _ in PUSH_SHAPES), torch.bfloat16,
@@ -261,7 +258,7 @@ def _push_worker(rank, world, port, gemv_variant):
                         qwen3_kernels.tp_all_reduce_add_rms_norm(want, res2, nw, EPS, *bufs)
                     else:
                         qwen3_kernels.tp_all_reduce(want, *bufs)
-                    results.append((f"{gemv_variant} {dtype} H={h} K={k} norm={norm}",
+                    results.append((f"{dtype} H={h} K={k} norm={norm}",
                                     pushed_out, plain, out, want, res, res2))
         torch.cuda.synchronize()
         for what, pushed_out, plain, out, want, res, res2 in results:
@@ -333,6 +330,5 @@ def _push_worker(rank, world, port, gemv_variant):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("gemv_variant", ("auto", "pdl_early"))
-def test_gemv_push_two_gpus(gemv_variant):
-    mp.spawn(_push_worker, args=(WORLD, free_port(), gemv_variant), nprocs=WORLD, join=True)
+def test_gemv_push_two_gpus():
+    mp.spawn(_push_worker, args=(WORLD, free_port()), nprocs=WORLD, join=True)

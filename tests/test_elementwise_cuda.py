@@ -2,15 +2,14 @@
 
 Tolerance: both sides start from the same bf16/fp16 inputs and compute in fp32, so they differ
 only by the final rounding (and __expf / summation order): at most ~1 ulp of the output dtype.
-Every launch variant (qwen3_kernels.elementwise_tuning) runs every case: the fixtures
-silu_variant / norm_variant select it for the test.
+The token counts cover both launches each kernel picks from the shape (below and above 1024
+tokens) and the vector / scalar paths.
 """
 
 import pytest
 import torch
 
 import qwen3_kernels
-from qwen3_kernels import elementwise_tuning as et
 from qwen3_kernels import reference as ref
 from tests.helpers import requires_cuda
 
@@ -25,32 +24,10 @@ def poisoned(*shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def _variants(op):
-    return et.variants(op) if et.available() else ["auto"]
-
-
-def _select(request, op):
-    if not et.available():
-        yield request.param
-        return
-    with et.variant(op, request.param):
-        yield request.param
-
-
-@pytest.fixture(params=_variants("silu"))
-def silu_variant(request):
-    yield from _select(request, "silu")
-
-
-@pytest.fixture(params=_variants("norm"))
-def norm_variant(request):
-    yield from _select(request, "norm")
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("inter", [3072, 12288, 25600, 83, 1032])
-def test_silu_and_mul(t, inter, dtype, silu_variant):
+def test_silu_and_mul(t, inter, dtype):
     if t * inter > 16384 * 12288:
         pytest.skip("keeps the test fast")
     x = torch.randn(t, 2 * inter, dtype=dtype, device="cuda") * 3
@@ -60,7 +37,7 @@ def test_silu_and_mul(t, inter, dtype, silu_variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_strided_rows(dtype, silu_variant):
+def test_silu_and_mul_strided_rows(dtype):
     base = torch.randn(37, 2 * 3072 + 64, dtype=dtype, device="cuda")
     x = base[:, 32:32 + 2 * 3072]  # 16-byte aligned strided rows: vector path
     out_base = poisoned(37, 3072 + 8, dtype=dtype)
@@ -75,7 +52,7 @@ def test_silu_and_mul_strided_rows(dtype, silu_variant):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120, 769, 64, 10240])
-def test_rms_norm(t, hidden, dtype, norm_variant):
+def test_rms_norm(t, hidden, dtype):
     x = torch.randn(t, hidden, dtype=dtype, device="cuda")
     w = torch.randn(hidden, dtype=dtype, device="cuda")
     out = poisoned(t, hidden, dtype=dtype)
@@ -86,7 +63,7 @@ def test_rms_norm(t, hidden, dtype, norm_variant):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("hidden", [1024, 4096, 5120, 769, 10240])
-def test_fused_add_rms_norm(t, hidden, dtype, norm_variant):
+def test_fused_add_rms_norm(t, hidden, dtype):
     x = torch.randn(t, hidden, dtype=dtype, device="cuda")
     res = torch.randn(t, hidden, dtype=dtype, device="cuda") * 4
     w = torch.randn(hidden, dtype=dtype, device="cuda")
@@ -97,7 +74,7 @@ def test_fused_add_rms_norm(t, hidden, dtype, norm_variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norms_strided_rows(dtype, norm_variant):
+def test_norms_strided_rows(dtype):
     base = torch.randn(19, 4096 + 64, dtype=dtype, device="cuda")
     x = base[:, 64:]
     w = torch.randn(4096, dtype=dtype, device="cuda")
@@ -153,7 +130,7 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(normed, ref.rms_norm(want_res, w, 1e-6), **TOL[torch.bfloat16])
 
 
-def test_graph_capture_small_batch(silu_variant):
+def test_graph_capture_small_batch():
     x = torch.randn(16, 2 * 3072, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(16, 3072, dtype=torch.bfloat16, device="cuda")
     qwen3_kernels.silu_and_mul(x, out=out)
@@ -167,7 +144,7 @@ def test_graph_capture_small_batch(silu_variant):
 
 
 @pytest.mark.parametrize("t", [1, 16, 300])
-def test_silu_dependent_calls_in_graph(t, silu_variant):
+def test_silu_dependent_calls_in_graph(t):
     # The second call reads what the first wrote: with programmatic dependent launch it must wait
     # for it (a missing wait reads the NaN poison).
     inter = 3072
@@ -189,7 +166,7 @@ def test_silu_dependent_calls_in_graph(t, silu_variant):
 
 
 @pytest.mark.parametrize("t", [1, 16, 300])
-def test_norm_dependent_calls_in_graph(t, norm_variant):
+def test_norm_dependent_calls_in_graph(t):
     # Each call reads the x and residual the previous one wrote (see the silu test above).
     h = 4096
     x0 = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
@@ -217,19 +194,3 @@ def test_norm_dependent_calls_in_graph(t, norm_variant):
     torch.testing.assert_close(r, want_r, atol=6e-2, rtol=3e-2)
     torch.testing.assert_close(x, want_x, atol=6e-2, rtol=3e-2)
     torch.testing.assert_close(out, ref.rms_norm(r, w, 1e-6), **TOL[torch.bfloat16])
-
-
-def test_variant_hooks():
-    for op in et.OPS:
-        names = et.variants(op)
-        assert names[0] == "auto" and len(names) > 1, (op, names)
-        # the elementwise ops keep their first kernels as "legacy"; the GEMV and the decode chain
-        # have launch variants only, the GEMV's loads an L2 hint, gemv_silu a layout
-        assert ("legacy" in names) == (op not in ("gemv", "gemv_loads", "gemv_silu", "chain")), (
-            op, names)
-        before = et.current(op)
-        with et.variant(op, names[-1]):
-            assert et.current(op) == names[-1]
-        assert et.current(op) == before
-        with pytest.raises(ValueError, match="unknown"):
-            et.select(op, "no-such-variant")

@@ -70,12 +70,7 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids], device=DEVICE)).logits[0].float()
 
 
-@pytest.mark.parametrize("linear", ["default", "forced"])
-def test_prefill_logits_bf16_vs_transformers(models, linear, monkeypatch):
-    """'forced': our CUTLASS QKV GEMM at every token count (by default the op's table runs cuBLAS
-    in most cells)."""
-    if linear == "forced":
-        monkeypatch.setenv("QWEN3_LINEAR_FORCE", "tile_128x128")
+def test_prefill_logits_bf16_vs_transformers(models):
     ours, hf16, hf32 = models
     ps = prompts(PROMPT_LENS)
     runner = PagedRunner(ours, num_blocks=128, block_size=16, poison=False, pad_block=0)

@@ -10,13 +10,12 @@ near-zero outputs. That is 1 bf16 ulp, tighter than the usual atol = rtol = 2e-2
 looser than any real bug (a wrong pair, weight, position or head moves outputs by O(1)).
 V is a copy: bit-exact. Untouched cache slots must keep their NaN poison bit for bit.
 
-Every launch variant (QWEN3_QK_NORM_ROPE_VARIANT, see csrc/kernels/qk_norm_rope.cu) runs every
-case through the ``variant`` fixture; its ids name the variant (`-k token_pdl`).
+The kernel is picked from the shape (csrc/kernels/qk_norm_rope.cu: the item kernel below 2^16
+(token, head) items, the token kernel with PDL above, the item kernel past 128 heads): the token
+counts and head counts below reach each of them.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -33,30 +32,6 @@ pytestmark = requires_cuda
 RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 ATOL = 1e-5
 HEADS = [(16, 8), (32, 8), (40, 8), (64, 8)]
-VARIANT_ENV = "QWEN3_QK_NORM_ROPE_VARIANT"
-# "auto" is the default dispatch; the others force one kernel.
-VARIANTS = ["auto", "item", "token", "token_pdl"]
-
-
-def set_variant(name):
-    """Selects the launch variant for the calls that follow (read by the launcher per launch)."""
-    os.environ[VARIANT_ENV] = name
-
-
-@pytest.fixture(autouse=True)
-def restore_variant():
-    before = os.environ.get(VARIANT_ENV)
-    yield
-    if before is None:
-        os.environ.pop(VARIANT_ENV, None)
-    else:
-        os.environ[VARIANT_ENV] = before
-
-
-@pytest.fixture(params=VARIANTS)
-def variant(request):
-    set_variant(request.param)
-    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +77,7 @@ def check_case(case, q):
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("hq,hkv", HEADS, ids=[f"{a}x{b}" for a, b in HEADS])
 @pytest.mark.parametrize("t", [1, 7, 83, 4096, 16384])
-def test_matches_reference(t, hq, hkv, block_size, dtype, cos_sin, variant):
+def test_matches_reference(t, hq, hkv, block_size, dtype, cos_sin):
     # Strided qkv rows (a view of a wider buffer) on half of the cases.
     pad = 64 if block_size == 16 else 0
     case = make_case(t, hq, hkv, block_size=block_size, dtype=dtype, device="cuda",
@@ -117,24 +92,18 @@ def test_matches_reference(t, hq, hkv, block_size, dtype, cos_sin, variant):
 # Tails: item counts (T * (Hq + 2Hkv)) that fill no whole block, on both launch shapes (one item
 # per thread below 2^16 items, two above), including an odd count so a thread's second item is
 # out of range while its first is not.
-# (37, 128, 8) and (5, 256, 8): more heads than one token-major CTA holds at 4 heads per thread:
-# the launcher's fallback to the item kernel.
+# (37, 128, 8), (5, 256, 8) and (300, 256, 8): more heads than one token-major CTA holds at 4
+# heads per thread; the last has >= 2^16 items, where the launcher falls back to the item kernel.
 @pytest.mark.parametrize("t,hq,hkv", [(3, 7, 1), (1171, 40, 8), (7283, 7, 1), (2, 1, 1),
-                                      (37, 128, 8), (5, 256, 8)])
-def test_tails_and_odd_head_counts(t, hq, hkv, cos_sin, variant):
+                                      (37, 128, 8), (5, 256, 8), (300, 256, 8)])
+def test_tails_and_odd_head_counts(t, hq, hkv, cos_sin):
     case = make_case(t, hq, hkv, block_size=16, dtype=torch.bfloat16, device="cuda",
                      seed=t, cos_sin=cos_sin)
     check_case(case, call(case))
 
 
-def test_unknown_variant_falls_back_to_auto(cos_sin):
-    set_variant("no-such-variant")
-    case = make_case(83, 32, 8, block_size=16, device="cuda", cos_sin=cos_sin)
-    check_case(case, call(case))
-
-
 @pytest.mark.parametrize("slot", [-1, 5])
-def test_single_decode_token(slot, cos_sin, variant):
+def test_single_decode_token(slot, cos_sin):
     case = make_case(1, 32, 8, block_size=16, device="cuda", pad_frac=0.0, cos_sin=cos_sin)
     case["slot_mapping"].fill_(slot)
     check_case(case, call(case))
@@ -142,13 +111,13 @@ def test_single_decode_token(slot, cos_sin, variant):
         assert torch.isnan(case["k_cache"]).all() and torch.isnan(case["v_cache"]).all()
 
 
-def test_all_tokens_padded_still_produce_q(cos_sin, variant):
+def test_all_tokens_padded_still_produce_q(cos_sin):
     case = make_case(50, 16, 8, block_size=16, device="cuda", pad_frac=1.1, cos_sin=cos_sin)
     assert (case["slot_mapping"] == -1).all()
     check_case(case, call(case))
 
 
-def test_one_kernel_launch(cos_sin, variant):
+def test_one_kernel_launch(cos_sin):
     case = make_case(64, 32, 8, block_size=16, device="cuda", cos_sin=cos_sin)
     q_out = torch.empty(64, 32, 128, dtype=torch.bfloat16, device="cuda")
     call(case, q_out=q_out)  # warm-up
@@ -161,7 +130,7 @@ def test_one_kernel_launch(cos_sin, variant):
     assert len(kernels) == 1 and "qk_norm_rope" in kernels[0], kernels
 
 
-def test_cuda_graph_replay_with_new_inputs(cos_sin, variant):
+def test_cuda_graph_replay_with_new_inputs(cos_sin):
     case = make_case(83, 32, 8, block_size=16, device="cuda", cos_sin=cos_sin, seed=11)
     q_out = torch.empty(83, 32, 128, dtype=torch.bfloat16, device="cuda")
     call(case, q_out=q_out)
@@ -202,7 +171,7 @@ def test_opcheck(cos_sin):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_torch_compile_fullgraph(dtype, cos_sin, variant):
+def test_torch_compile_fullgraph(dtype, cos_sin):
     case = make_case(83, 32, 8, block_size=16, dtype=dtype, device="cuda", cos_sin=cos_sin)
     eager = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
     q_eager = call(eager)

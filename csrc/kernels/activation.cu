@@ -5,23 +5,20 @@
 // every row start is 16-byte aligned. Anything else (I % 8 != 0, odd strides) takes the scalar path,
 // which is slower but never wrong.
 //
-// Launch variants of the vector path (QWEN3_SILU_VARIANT = a name below or its index, read once;
-// benchmarks flip it with qwen3_silu_set_variant, see qwen3_kernels/elementwise_tuning.py):
-//   auto         flat grid; at T < 1024 one vector per thread in CTAs sized so the launch covers
-//                many SMs (32-128 threads), at T >= 1024 flat128x2
-//   legacy       grid (T, chunks), whole-row CTAs of up to 1024 threads x 4 vectors at T >= 1024,
-//                128 threads x 1 vector at T < 1024 (measured 0.99x torch.compile at T=16384)
-//   flatBxV      flat grid over the [T, I/8] vectors in memory order, B threads x V vectors
-//   persist256x2 flat256x2 on a grid-stride loop with one wave of CTAs (no CTA launch tail)
-//   auto         (the default) also launched with programmatic dependent launch on sm_90: the
-//                CTAs of this launch are scheduled while the previous kernel drains (H200,
-//                2026-11-30: T=1 1.30 us vs 1.77 without, T=256 6.32 vs 7.03, T=16384 equal)
-//   auto_nopdl   auto without programmatic dependent launch
+// The vector path's launch is picked from the shape in silu_and_mul below: a flat grid over the
+// [T, I/8] vectors in memory order, at T >= 1024 128 threads x 2 vectors, at T < 1024 one vector
+// per thread in CTAs sized so the launch covers many SMs (32-128 threads); on sm_90 with
+// programmatic dependent launch, so the CTAs are scheduled while the previous kernel drains (H200:
+// T=1 1.30 us vs 1.77 without, T=256 6.32 vs 7.03, T=16384 equal;
+// python benchmarks/bench_elementwise.py). Past 2^30 vectors (the flat index is 32-bit) the
+// row-tiled grid runs (as the default it measured 0.99x torch.compile at T=16384). Variants no
+// shape picks (flat 128x1 / 256x2 / 128x4 / 64x1 / 32x1, a persistent 256x2 grid) are kept on
+// branch experiment/kernel-launch-variants.
 #include <algorithm>
 #include <type_traits>
 
 #include "qwen3_kernels/common.cuh"
-#include "qwen3_kernels/tuning.cuh"
+#include "qwen3_kernels/launch.cuh"
 
 namespace qwen3_kernels {
 namespace {
@@ -29,32 +26,10 @@ namespace {
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
 constexpr int kThreads = 256;  // scalar path
-constexpr int kVecs = 4;        // legacy: 16-byte vectors per thread on the vector path (large T)
+constexpr int kVecs = 4;        // row-tiled: 16-byte vectors per thread (large T)
 constexpr int kSmallT = 1024;   // below this many tokens: latency bound
 
-enum Variant {
-  kAuto,
-  kLegacy,
-  kFlat128x1,
-  kFlat128x2,
-  kFlat256x2,
-  kFlat128x4,
-  kFlat64x1,
-  kFlat32x1,
-  kPersist256x2,
-  kAutoNoPdl,
-  kNumVariants
-};
-constexpr const char* kVariantNames[kNumVariants] = {
-    "auto",      "legacy",    "flat128x1", "flat128x2", "flat256x2",
-    "flat128x4", "flat64x1",  "flat32x1",  "persist256x2", "auto_nopdl"};
-
-VariantKnob<kNumVariants>& knob() {
-  static VariantKnob<kNumVariants> k("QWEN3_SILU_VARIANT", kVariantNames);
-  return k;
-}
-
-// ---- legacy: grid (T, chunks) ---------------------------------------------------------------------
+// ---- row-tiled: grid (T, chunks), for more than 2^30 vectors ---------------------------------------------------------------------
 
 // grid (T, chunks): each thread owns up to kVecs vectors of one row, strided by blockDim so a warp's
 // accesses stay coalesced. All loads are issued before any math: 2 x 64 bytes in flight per thread
@@ -141,7 +116,7 @@ __device__ __forceinline__ Vec8<T> silu_mul8(const Vec8<T>& gate, const Vec8<T>&
 // Vector v of the flat index space [0, T * I/8) is row v / (I/8), column vector v % (I/8). A CTA
 // owns blockDim.x * kVecs consecutive vectors (thread t: t, t + blockDim.x, ...), so CTAs that run
 // together stream one contiguous stretch of memory, whatever I is (no half-empty CTA at a row
-// end). The loop strides by the grid: once through for a full grid, many times for a persistent one.
+// end). The loop strides by the grid.
 template <typename T, int kVecs, bool kPdl>
 __global__ void silu_and_mul_flat_kernel(T* __restrict__ out,      // [T, I], row stride out_stride
                                          const T* __restrict__ x,  // [T, 2I], row stride x_stride
@@ -192,10 +167,8 @@ __global__ void silu_and_mul_scalar_kernel(T* __restrict__ out, const T* __restr
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename T>
-cudaError_t launch_legacy(T* out, const T* x, int64_t num_tokens, int64_t intermediate,
+cudaError_t launch_row_tiled(T* out, const T* x, int64_t num_tokens, int64_t intermediate,
                           int64_t out_stride, int64_t x_stride, cudaStream_t stream) {
   // The fewest threads (whole warps, <= 1024) that cover the row at kVecs vectors each; very wide
   // rows get more blocks along y. Few tokens: 1 vector per thread, 128-thread blocks.
@@ -216,37 +189,14 @@ cudaError_t launch_legacy(T* out, const T* x, int64_t num_tokens, int64_t interm
   return cudaGetLastError();
 }
 
-// Resident CTAs per SM of one flat kernel at `threads`, asked once per process (the persistent
-// variant sizes its grid by it; every device of a process is taken to be the same kind).
-template <typename T, int kVecs, bool kPdl>
-int flat_ctas_per_sm(int threads) {
-  static std::atomic<int> cached[1024 / 32 + 1];  // by threads / 32; 0 = not asked yet
-  std::atomic<int>& slot = cached[threads / 32];
-  int n = slot.load(std::memory_order_relaxed);
-  if (n > 0) return n;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, silu_and_mul_flat_kernel<T, kVecs, kPdl>,
-                                                    threads, 0) != cudaSuccess || n < 1) {
-    cudaGetLastError();  // clear it: the op's launch check must not report a failed query
-    n = 1;
-  }
-  slot.store(n, std::memory_order_relaxed);
-  return n;
-}
-
 template <typename T, int kVecs, bool kPdl>
 cudaError_t launch_flat(T* out, const T* x, int64_t num_tokens, int64_t intermediate,
-                        int64_t out_stride, int64_t x_stride, int threads, bool persistent,
-                        cudaStream_t stream) {
+                        int64_t out_stride, int64_t x_stride, int threads, cudaStream_t stream) {
   const int64_t nvec = intermediate / 8;
   const uint32_t total = static_cast<uint32_t>(num_tokens * nvec);  // < 2^30, checked by the caller
   const int64_t per_cta = static_cast<int64_t>(threads) * kVecs;
-  int64_t blocks = (total + per_cta - 1) / per_cta;
+  const int64_t blocks = (total + per_cta - 1) / per_cta;
   auto kernel = silu_and_mul_flat_kernel<T, kVecs, kPdl>;
-  if (persistent) {
-    const DeviceInfo dev = current_device_info();
-    if (dev.num_sms > 0)
-      blocks = std::min<int64_t>(blocks, int64_t{dev.num_sms} * flat_ctas_per_sm<T, kVecs, kPdl>(threads));
-  }
   const FastDiv div = FastDiv::make(static_cast<uint32_t>(nvec));
   if (kPdl) {
     return launch_ex(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), stream, true, 1,
@@ -257,7 +207,7 @@ cudaError_t launch_flat(T* out, const T* x, int64_t num_tokens, int64_t intermed
   return cudaGetLastError();
 }
 
-// auto at few tokens: one vector per thread, and CTAs small enough that the launch spreads over
+// At few tokens: one vector per thread, and CTAs small enough that the launch spreads over
 // about two CTAs per SM (a lone row of I = 12288 is 1536 vectors: 48 CTAs of 32 threads rather
 // than 12 of 128, so no single SM streams a large share of it).
 int small_t_threads(int64_t total_vecs) {
@@ -283,50 +233,24 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t num_tokens, int64_t i
       return cudaGetLastError();
     });
   }
-  int variant = knob().get();
   const int64_t total_vecs = num_tokens * (intermediate / 8);
-  if (total_vecs >= (int64_t{1} << 30)) variant = kLegacy;  // the flat index is 32-bit
-  bool pdl = false;
-  if (variant == kAuto) {
-    pdl = current_device_info().cc_major >= 9;
-  } else if (variant == kAutoNoPdl) {
-    variant = kAuto;
-  }
+  const bool pdl = current_device_info().cc_major >= 9;
   const bool large = num_tokens >= kSmallT;
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     T* o = static_cast<T*>(out);
     const T* xi = static_cast<const T*>(x);
-    auto flat = [&](auto vecs, int threads, bool persistent) {
+    if (total_vecs >= (int64_t{1} << 30))  // the flat index is 32-bit
+      return launch_row_tiled(o, xi, num_tokens, intermediate, out_stride, x_stride, stream);
+    auto flat = [&](auto vecs, int threads) {
       constexpr int V = decltype(vecs)::value;
       return pdl ? launch_flat<T, V, true>(o, xi, num_tokens, intermediate, out_stride, x_stride,
-                                           threads, persistent, stream)
+                                           threads, stream)
                  : launch_flat<T, V, false>(o, xi, num_tokens, intermediate, out_stride, x_stride,
-                                            threads, persistent, stream);
+                                            threads, stream);
     };
-    using One = std::integral_constant<int, 1>;
-    using Two = std::integral_constant<int, 2>;
-    using Four = std::integral_constant<int, 4>;
-    switch (variant) {
-      case kLegacy:
-        return launch_legacy(o, xi, num_tokens, intermediate, out_stride, x_stride, stream);
-      case kFlat128x1: return flat(One{}, 128, false);
-      case kFlat128x2: return flat(Two{}, 128, false);
-      case kFlat256x2: return flat(Two{}, 256, false);
-      case kFlat128x4:
-        return launch_flat<T, 4, false>(o, xi, num_tokens, intermediate, out_stride, x_stride, 128,
-                                        false, stream);
-      case kFlat64x1: return flat(One{}, 64, false);
-      case kFlat32x1: return flat(One{}, 32, false);
-      case kPersist256x2: return flat(Two{}, 256, true);
-      default:  // kAuto
-        return large ? flat(Two{}, 128, false) : flat(One{}, small_t_threads(total_vecs), false);
-    }
+    return large ? flat(std::integral_constant<int, 2>{}, 128)
+                 : flat(std::integral_constant<int, 1>{}, small_t_threads(total_vecs));
   });
 }
 
 }  // namespace qwen3_kernels
-
-// ---- tuning hooks (C ABI, for qwen3_kernels/elementwise_tuning.py) --------------------------------
-
-// The launch variant of the following silu_and_mul calls.
-QWEN3_TUNING_HOOKS(qwen3_silu, qwen3_kernels::knob())

@@ -71,19 +71,17 @@
 // would (at world size 2 that is NCCL's sum too).
 //
 // Measured (benchmarks/allreduce_latency.py, two H200s, graph replays of 72 calls, one [1, 4096]
-// bf16 row): 2.7 us plain and 3.8 us fused with the norm (2026-11-30, sixth session), against 3.8
-// and 4.1 before a one-CTA grid advanced the count at its start and loaded its row beside it.
+// bf16 row): 2.7 us plain and 3.8 us fused with the norm, against 3.8 and 4.1 before a one-CTA
+// grid advanced the count at its start and loaded its row beside it.
 //
-// Launch variants (QWEN3_CAR_VARIANT = a name below or its index, read once; benchmarks flip it
-// with qwen3_car_set_variant):
-//   auto   (default) on sm_90 launched with programmatic dependent launch: the CTAs are scheduled
-//          while the projection before drains, and wait (griddepcontrol.wait) before any access
-//   nopdl  a plain launch
+// The launch: on sm_90 with programmatic dependent launch (the CTAs are scheduled while the
+// projection before drains, and wait (griddepcontrol.wait) before any access); a plain launch
+// before sm_90. The plain launch on sm_90 is kept on branch experiment/kernel-launch-variants.
 #include <algorithm>
 #include <type_traits>
 
 #include "qwen3_kernels/common.cuh"
-#include "qwen3_kernels/tuning.cuh"
+#include "qwen3_kernels/launch.cuh"
 
 namespace qwen3_kernels {
 namespace {
@@ -92,14 +90,6 @@ constexpr int kMaxWorld = 8;
 constexpr int kMaxVecsPerThread = 4;            // 16-byte vectors (8 elements) per thread
 constexpr long long kSpinLimit = 1LL << 26;     // polls of one packet before a trap
 constexpr int kAbortEvery = 1 << 12;             // polls between two reads of abort_flag
-
-enum Variant { kAuto, kNoPdl, kNumVariants };
-constexpr const char* kVariantNames[kNumVariants] = {"auto", "nopdl"};
-
-VariantKnob<kNumVariants>& knob() {
-  static VariantKnob<kNumVariants> k("QWEN3_CAR_VARIANT", kVariantNames);
-  return k;
-}
 
 // One aligned 16-byte store of two packets; each 64-bit element is single-copy atomic.
 __device__ __forceinline__ void store_packets(char* p, uint64_t a, uint64_t b) {
@@ -341,7 +331,7 @@ cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int
   int vecs = 1;
   while (nvec > int64_t{vecs} * 1024) vecs *= 2;
   const int threads = std::max<int>(64, static_cast<int>((nvec + vecs - 1) / vecs + 31) / 32 * 32);
-  const bool pdl = knob().get() == kAuto && info.cc_major >= 9;
+  const bool pdl = info.cc_major >= 9;
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     T* xi = static_cast<T*>(x);
     T* res = static_cast<T*>(residual);
@@ -369,8 +359,3 @@ cudaError_t tp_all_reduce(void* x, void* residual, const void* weight, const int
 }
 
 }  // namespace qwen3_kernels
-
-// ---- tuning hooks (C ABI, for benchmarks/allreduce_latency.py and the tests) ---------------------
-
-// The launch variant of the following tp_all_reduce calls.
-QWEN3_TUNING_HOOKS(qwen3_car, qwen3_kernels::knob())

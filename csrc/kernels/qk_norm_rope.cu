@@ -14,8 +14,9 @@
 // needs the same 8 cos/sin values and weight elements for every head of a token, which the
 // token-major variants exploit.
 //
-// Variants (QWEN3_QK_NORM_ROPE_VARIANT, read at every launch so a benchmark can sweep them in one
-// process; unset or "auto" = token_pdl for >= 2^16 (token, head) items, item below):
+// Two kernels, picked from the shape in qk_norm_rope() at the bottom of the file: token_pdl for
+// >= 2^16 (token, head) items, item below (numbers from python benchmarks/bench_qk_norm_rope.py,
+// H200, Hq/Hkv 32/8):
 //   item    An "item" is one (token, head); consecutive 8-lane groups take consecutive items, ITEMS
 //           per thread (2 for large batches, 1 for small ones, which also hoists the cos/sin and
 //           weight loads). Measured on H200 at T=16384, Hq/Hkv 32/8: 113 us, 3.63 TB/s, 84% of
@@ -31,10 +32,10 @@
 //   token_pdl  token launched with PDL (sm_90): waits (griddepcontrol.wait) before its first read,
 //           so its launch and first CTAs overlap the kernel before (the QKV GEMM in a model, the
 //           previous call in a benchmark). H200, T=16384, 8B heads: 100.75 us (4.08 TB/s) against
-//           token's 101.50 (best of 4, alternating); at T <= 256 0.5-0.7 us under token. With L2
-//           hints on top (qkv evict-first, the shared cos/sin table evict-last) it was 3-4% slower
-//           (104.2-104.8 us), so there are none.
-// Tried and removed (2026-12-01; the code is in git before this note, e.g. 2d49bf4): token8 (at
+//           token's 101.50 without PDL (best of 4, alternating); at T <= 256 0.5-0.7 us under
+//           token. With L2 hints on top (qkv evict-first, the shared cos/sin table evict-last) it
+//           was 3-4% slower (104.2-104.8 us), so there are none.
+// Tried and removed (the code is in git history, e.g. 2d49bf4): token8 (at
 // most 8 heads a thread, ~120 registers: 111.3 us at T=16384), pipe / pipe4 (a CTA walks a run of
 // tokens, the next token's cos/sin row fetched by cp.async while its qkv loads fly: 116.4 us),
 // bulk / bulk2 / bulk8 (sm_90 bulk copies through a ring of 2-8 shared-memory stages, q / K / V
@@ -46,12 +47,8 @@
 // host sync): positions must be < max_position, and slots < num_blocks * block_size.
 // The launcher refuses (cudaErrorMisalignedAddress) pointers off a 16-byte boundary, and
 // num_tokens * (Hq + 2*Hkv) >= 2^31 (cudaErrorInvalidValue).
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-
 #include "qwen3_kernels/common.cuh"
-#include "qwen3_kernels/tuning.cuh"
+#include "qwen3_kernels/launch.cuh"
 
 namespace qwen3_kernels {
 namespace {
@@ -355,8 +352,6 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // ---- launch -----------------------------------------------------------------------------------
 
 struct Args {
@@ -400,43 +395,19 @@ int token_groups(int num_heads, int hpt) {
   return (groups + 3) / 4 * 4;
 }
 
-template <typename T, bool kPdl>
+// Launched with PDL on sm_90 (token_pdl; the kernel's kPdl makes it wait before its first read).
+template <typename T>
 cudaError_t launch_token(const Args& a) {
   const int threads = token_groups(a.num_heads(), kHeadsPerThread) * kLanesPerItem;
   if (a.num_tokens > 0x7fffffff || threads > kTokenMaxThreads) return cudaErrorInvalidValue;
-  const bool pdl = kPdl && current_device_info().cc_major >= 9;
-  return launch_ex(qk_norm_rope_token_kernel<T, kPdl>,
+  const bool pdl = current_device_info().cc_major >= 9;
+  return launch_ex(qk_norm_rope_token_kernel<T, true>,
                    dim3(static_cast<unsigned>(a.num_tokens)), dim3(threads), a.stream, pdl, 1,
                    static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
                    static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
                    a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache),
                    static_cast<T*>(a.v_cache), a.slot_mapping, a.qkv_stride, a.num_q_heads,
                    a.num_kv_heads, a.eps);
-}
-
-enum class Variant { kAuto, kItem, kToken, kTokenPdl };
-
-constexpr struct {
-  const char* name;
-  Variant v;
-} kVariantNames[] = {
-    {"item", Variant::kItem}, {"token", Variant::kToken}, {"token_pdl", Variant::kTokenPdl}};
-
-// QWEN3_QK_NORM_ROPE_VARIANT, read at every launch (a getenv: far below a launch's cost) so a
-// benchmark can time each variant in one process. A malformed value is reported once and ignored.
-Variant variant_from_env() {
-  const char* e = std::getenv("QWEN3_QK_NORM_ROPE_VARIANT");
-  if (e == nullptr || e[0] == '\0' || std::strcmp(e, "auto") == 0) return Variant::kAuto;
-  for (const auto& n : kVariantNames)
-    if (std::strcmp(e, n.name) == 0) return n.v;
-  static bool warned = false;
-  if (!warned) {
-    warned = true;
-    std::fprintf(stderr,
-                 "qwen3_kernels: QWEN3_QK_NORM_ROPE_VARIANT=%s is not one of auto, item, token, "
-                 "token_pdl; using auto\n", e);
-  }
-  return Variant::kAuto;
 }
 
 }  // namespace
@@ -467,29 +438,20 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   // Large batches are bandwidth bound, small ones latency bound (see the item kernel's ITEMS).
   const bool many = num_tokens * num_heads >= (int64_t{1} << 16);
 
-  // The default from the H200 sweeps (bench_qk_norm_rope.py, 32/8 heads): at T=16384 token 105.4
-  // us (3.90 TB/s) vs item 112.8, pipe 116.4, bulk 113.9 (2026-11-30), and token_pdl 100.75 vs
-  // token 101.50 (2026-12-01, alternating); at T <= 256 item (1.3-3.3 us) beats every
-  // token-major kernel (2.2-4.9 us).
-  Variant v = variant_from_env();
-  if (v == Variant::kAuto) v = many ? Variant::kTokenPdl : Variant::kItem;
-  // The token kernels need a token's head groups in one CTA of <= 256 threads (<= 128 heads: every
-  // Qwen3 model has <= 80, Hq + 2 Hkv); past that the item kernel runs.
-  const bool token = v == Variant::kToken || v == Variant::kTokenPdl;
-  if (token && token_groups(num_heads, kHeadsPerThread) * kLanesPerItem > kTokenMaxThreads)
-    v = Variant::kItem;
-
+  // The H200 sweeps (bench_qk_norm_rope.py, 32/8 heads): at T=16384 token 105.4 us (3.90 TB/s)
+  // vs item 112.8, and token_pdl 100.75 vs token 101.50 (alternating); at T <= 256 item (1.3-3.3
+  // us) beats every token-major kernel (2.2-4.9 us). The token kernel needs a token's head groups
+  // in one CTA of <= 256 threads (<= 128 heads: every Qwen3 model has <= 80, Hq + 2 Hkv); past
+  // that the item kernel runs.
+  const bool token =
+      many && token_groups(num_heads, kHeadsPerThread) * kLanesPerItem <= kTokenMaxThreads;
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    switch (v) {
-      case Variant::kToken: return launch_token<T, false>(a);
-      case Variant::kTokenPdl: return launch_token<T, true>(a);
-      default:
-        // Large batches: two items per thread doubles the bytes in flight. Small batches: one
-        // item per thread spreads the few items over more SMs, and hoisting the weight / cos-sin
-        // loads takes one memory latency off the critical path (latency is what counts there).
-        // Two hoisted items would need ~110 registers, halving the threads per SM.
-        return many ? launch_item<T, 2, false>(a) : launch_item<T, 1, true>(a);
-    }
+    if (token) return launch_token<T>(a);
+    // Large batches: two items per thread doubles the bytes in flight. Small batches: one item
+    // per thread spreads the few items over more SMs, and hoisting the weight / cos-sin loads
+    // takes one memory latency off the critical path (latency is what counts there). Two hoisted
+    // items would need ~110 registers, halving the threads per SM.
+    return many ? launch_item<T, 2, false>(a) : launch_item<T, 1, true>(a);
   });
 }
 

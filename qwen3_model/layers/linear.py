@@ -13,8 +13,6 @@ them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,37 +20,13 @@ from torch import nn
 import qwen3_kernels
 from qwen3_model.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size, push_linear
 
-# Which GEMM runs a projection on CUDA (bf16 / fp16): our linear op where benchmarks/bench_linear.py
-# measured it faster than cuBLAS on the H200, cuBLAS (F.linear) everywhere else.
-#   - The fused QKV projection always calls the op (``by_table``): its choice table, measured on
-#     the Qwen3 QKV shapes at T = 1 .. 16384, runs our kernel where it won (the GEMV at T = 1, the
-#     CUTLASS tiles in a few prefill cells) and cuBLAS in every other cell.
-#   - The other projections (o, gate_up, down, LM head), whose shapes the table was not measured
-#     on, call it only with at most GEMV_MAX_TOKENS tokens: at T = 1 the GEMV was 1.00-2.61x cuBLAS
-#     on their shapes too (0.6B, 8B and 8B under TP 2) but for 8B gate_up (0.98x), and at T = 2
-#     the table's split-K already lost on several (RESULTS.md, "Every projection at T = 1").
-#     QWEN3_GEMV_MAX_TOKENS=0 runs cuBLAS for them (and ``USE_OUR_GEMM = False`` for every one), to
-#     compare in an engine benchmark.
-# The MLP's gate_up projection and its activation as one op (linear_silu_and_mul: the GEMV with
-# silu_and_mul at its end, one launch and no [T, 2I] round trip) wherever the GEMV runs;
-# QWEN3_FUSE_GATE_UP_SILU=0 runs the two ops, to compare.
-# QWEN3_STREAM_MAX_M=T (an experiment, off by default): every projection with 2..T tokens calls the
-# op too, whose dispatcher then runs the wgmma streaming kernel (linear_stream.cu) on weights
-# of at most QWEN3_STREAM_MAX_N rows (8192: qkv, o, down of Qwen3-8B; not gate_up, the LM head).
-# Measured (H200, tenth session): the 8B workload at T <= 64 9,752 / 9,744 tok/s, at T <= 128
-# 9,701 / 9,692, off 9,758 / 9,749, so it stays off.
-USE_OUR_GEMM = True
-GEMV_MAX_TOKENS = int(os.environ.get("QWEN3_GEMV_MAX_TOKENS", "1"))
-STREAM_MAX_M = int(os.environ.get("QWEN3_STREAM_MAX_M", "0"))
-FUSE_GATE_UP_SILU = os.environ.get("QWEN3_FUSE_GATE_UP_SILU", "1") != "0"
 
-
-def _runs_our_gemm(x: torch.Tensor, weight: torch.Tensor, by_table: bool,
-                   stream: bool = False) -> bool:
+def _runs_op(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the projection goes through qwen3_kernels.linear (which picks the GEMV, a CUTLASS
+    configuration or cuBLAS from the shape: csrc/kernels/gemm/linear.cu): on CUDA with the kernels
+    built, bf16 / fp16, N and K multiples of 8. Everything else (CPU, fp32) runs F.linear."""
     return (
-        USE_OUR_GEMM
-        and (by_table or x.shape[0] <= GEMV_MAX_TOKENS or (stream and x.shape[0] <= STREAM_MAX_M))
-        and x.is_cuda
+        x.is_cuda
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
@@ -62,15 +36,10 @@ def _runs_our_gemm(x: torch.Tensor, weight: torch.Tensor, by_table: bool,
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           by_table: bool = False) -> torch.Tensor:
-    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out].
-
-    Through the linear op when ``by_table`` (its table then picks our kernel or cuBLAS) or when
-    T <= GEMV_MAX_TOKENS; F.linear (cuBLAS) otherwise, and always off CUDA, in fp32, or where the
-    op's N, K multiple-of-8 rule does not hold.
-    """
-    if not _runs_our_gemm(x, weight, by_table, stream=True):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out]: the linear op where
+    ``_runs_op``, F.linear otherwise."""
+    if not _runs_op(x, weight):
         return F.linear(x, weight, bias)
     out = qwen3_kernels.linear(x.contiguous(), weight)
     return out.add_(bias) if bias is not None else out
@@ -80,10 +49,10 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu_and_mul(x [T, in] @ weight [2I, in]^T (+ bias [2I])) -> [T, I]; weight is gate | up.
 
-    One op (one pass over the weight) where ``linear`` would run the GEMV; ``linear`` and then
-    silu_and_mul everywhere else.
+    The linear_silu_and_mul op where ``_runs_op`` and there is no bias (one pass over the weight
+    at one token, cuBLAS + silu_and_mul above); ``linear`` and then silu_and_mul otherwise.
     """
-    if bias is None and FUSE_GATE_UP_SILU and _runs_our_gemm(x, weight, by_table=False):
+    if bias is None and _runs_op(x, weight):
         return qwen3_kernels.linear_silu_and_mul(x.contiguous(), weight)
     return qwen3_kernels.silu_and_mul(linear(x, weight, bias))
 
@@ -216,7 +185,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, n).copy_(loaded.narrow(0, head0 * d, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, (Hq + 2 Hkv) * D]
-        return linear(x, self.weight, self.bias, by_table=True)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(LinearBase):
@@ -244,7 +213,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.reduce_results and self.bias is None and _runs_our_gemm(x, self.weight, False):
+        if not self.reduce_results and self.bias is None and _runs_op(x, self.weight):
             # one token, our all-reduce on: the GEMV sends its row to the peers itself
             y = push_linear(x, self.weight) if x.shape[0] == 1 else None
             if y is not None:

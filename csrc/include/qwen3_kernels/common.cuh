@@ -50,10 +50,13 @@ __device__ __forceinline__ void store_vec8(T* p, const Vec8<T>& r) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
-// 16 bytes of a weight streamed once (the GEMVs, split-K): read once, never again,
-// so keep it out of L1. kL2Lines also asks L2 for whole 256-byte lines (.L2::256B); without it L2
-// fetches the 32-byte sectors asked for. The hint costs the GEMV's pattern (a warp's 512 bytes of
-// each of its rows per load) bandwidth: benchmarks/read_probe.cu (H200, 2026-12-02) read Qwen3-8B's
+// Whether a pointer may be accessed 16 bytes at a time (the kernels' vector paths).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// 16 bytes of a weight streamed once (the GEMV, split-K): read once, never again, so keep it out
+// of L1. kL2Lines also asks L2 for whole 256-byte lines (.L2::256B); without it L2 fetches the
+// 32-byte sectors asked for. The hint costs the GEMV's pattern (a warp's 512 bytes of each of its
+// rows per load) bandwidth: a read probe (H200; branch experiment/one-off-probes) read Qwen3-8B's
 // gate_up weight with the GEMV's loads and arithmetic in 52.3 us with it, 49.7 us without.
 template <bool kL2Lines = true>
 __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -72,7 +75,7 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
 
 // Eight 16-bit values (one 16-byte load, element 0 in the low half of .x) to fp32, from registers:
 // load the 16 bytes first (one LDS.128 / LDG.128), then convert. (Reading the elements through a
-// T* cast of the word made nvcc issue eight 2-byte shared loads instead, thirteenth session.)
+// T* cast of the word made nvcc issue eight 2-byte shared loads instead.)
 template <typename T>
 __device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]);
 

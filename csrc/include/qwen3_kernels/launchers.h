@@ -1,6 +1,8 @@
-// Launchers of every kernel: raw pointers + a stream, no torch headers (see ARCHITECTURE.md).
-// torch_bindings.cpp checks the tensors, then calls one of these. Each returns the launch's
-// cudaError_t (cudaSuccess or the first error), so the binding can raise a clear message.
+// Launchers of every kernel: raw pointers + a stream, no torch headers, so the kernels build as
+// plain CUDA and only csrc/torch_bindings.cpp sees tensors. The checked API (qwen3_kernels/ops.py)
+// validates the tensors; the binding dispatches on the dtype and calls one of these. Each returns
+// the launch's cudaError_t (cudaSuccess or the first error), so the binding can raise a clear
+// message.
 #pragma once
 
 #include <cstdint>
@@ -75,29 +77,28 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
                                     cudaStream_t stream);
 
 // ---- gemm/ ------------------------------------------------------------------------------------
-// out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous, 16-byte aligned; N, K % 8 == 0);
-// sm_90 only: cudaErrorNotSupported on any other device. The configuration is chosen by M from the
-// table in kernels/gemm/linear.cu (or QWEN3_LINEAR_FORCE, see there).
-// Whether the table (or QWEN3_LINEAR_FORCE=cublas) chooses cuBLAS for this problem: the caller
-// then runs cuBLAS itself; linear() would return cudaErrorNotSupported.
+// out[M, N] = x[M, K] @ w[N, K]^T (all row-major, contiguous, 16-byte aligned; N, K % 8 == 0).
+// The kernel is chosen from the shape in kernels/gemm/linear.cu (the GEMV at M = 1, the measured
+// table on the Qwen3 QKV shapes, cuBLAS elsewhere and on any GPU but sm_90).
+// Whether that choice is cuBLAS: the caller then runs cuBLAS itself; linear() would return
+// cudaErrorNotSupported.
 bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k);
 // Bytes of workspace the chosen configuration needs (0 for many; stream-K partials otherwise).
 size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype);
 cudaError_t linear(void* out,        // [M, N]
-                     const void* x,    // [M, K]
-                     const void* w,    // [N, K]
-                     int64_t m, int64_t n, int64_t k,
-                     void* workspace,  // linear_workspace_size(m, n, k, dtype) bytes, any content
-                     size_t workspace_bytes, DType dtype, cudaStream_t stream);
+                   const void* x,    // [M, K]
+                   const void* w,    // [N, K]
+                   int64_t m, int64_t n, int64_t k,
+                   void* workspace,  // linear_workspace_size(m, n, k, dtype) bytes, any content
+                   size_t workspace_bytes, DType dtype, cudaStream_t stream);
 
-// out[M, I] = silu(g) * u where [g | u] = x[M, K] @ w[2I, K]^T, each rounded to the dtype (the
-// MLP's gate_up projection and its activation in one pass over the weight, nothing [M, 2I] written).
-// The weight-streaming GEMV (kernels/gemm/linear_gemv.cu): M <= linear_silu_and_mul_max_tokens,
-// contiguous 16-byte aligned operands, 2I and K multiples of 8, sm_80+; cudaErrorNotSupported
-// otherwise (the caller then runs the GEMM and silu_and_mul).
-constexpr int64_t linear_silu_and_mul_max_tokens = 8;
-cudaError_t linear_silu_and_mul(void* out,      // [M, I]
-                                const void* x,  // [M, K]
+// out[1, I] = silu(g) * u where [g | u] = x[1, K] @ w[2I, K]^T, each rounded to the dtype (the
+// MLP's gate_up projection and its activation at one token in one pass over the weight, nothing
+// [1, 2I] written). The weight-streaming GEMV (kernels/gemm/linear_gemv.cu): M == 1, contiguous
+// 16-byte aligned operands, 2I and K multiples of 8, sm_80+; cudaErrorNotSupported otherwise (the
+// caller then runs the GEMM and silu_and_mul).
+cudaError_t linear_silu_and_mul(void* out,      // [1, I]
+                                const void* x,  // [1, K]
                                 const void* w,  // [2I, K]: gate rows, then up rows
                                 int64_t m, int64_t two_i, int64_t k, DType dtype,
                                 cudaStream_t stream);

@@ -7,13 +7,15 @@
 //   2. A persistent grid of one CTA per SM walking the tiles with the stream-K scheduler, whose
 //      decomposition (data-parallel, split-K with S splits, stream-K, or CUTLASS's heuristic) is a
 //      runtime argument: one instantiation covers every way of cutting the work.
-//   3. Swapped operands for decode: with M = tokens <= 64 the weight is the only large operand, so
-//      we compute out^T[N, M] = w[N, K] @ x[M, K]^T. The weight rows then fill the 128-wide M side
-//      of the wgmma tile and the few tokens sit on the narrow N side (64), instead of padding 1..64
-//      tokens up to a 128-row tile. out^T is out read column-major, so no transpose is needed.
+//   3. Swapped operands (kSwapAB) for few tokens: out^T[N, M] = w[N, K] @ x[M, K]^T puts the
+//      weight rows on the 128-wide M side of the wgmma tile instead of padding 1..64 tokens up to
+//      a 128-row tile; out^T is out read column-major, so no transpose is needed. No cell of the
+//      choice table picks it (cuBLAS was faster there); its config TUs (swap_128x64) are kept on
+//      branch experiment/kernel-launch-variants.
 //
 // Each instantiation lives in its own TU (linear_<config>_<dtype>.cu) so the build parallelises;
-// this header is included only there. No torch headers (ARCHITECTURE.md).
+// this header is included only there. No torch headers: kernels are plain CUDA, and only
+// csrc/torch_bindings.cpp sees tensors.
 #pragma once
 
 #include <cuda_runtime.h>

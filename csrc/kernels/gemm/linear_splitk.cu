@@ -1,4 +1,4 @@
-// linear for decode (M <= 64 tokens), hand-written: a weight-streaming split-K kernel.
+// linear for a few tokens (M <= 8), hand-written: a weight-streaming split-K kernel.
 //
 // At decode sizes out[M, N] = x[M, K] @ w[N, K]^T moves the N*K weight and almost nothing else,
 // so the kernel is built around reading w once at the full HBM rate:
@@ -6,7 +6,7 @@
 //     registers of mma.sync.m16n8k16 A fragments (no shared memory, no TMA: nothing between HBM and
 //     the tensor core but the load). The loads bypass L1 (ld.global.nc.L1::no_allocate) and ask L2
 //     for 256-byte lines, and the next 128 columns are in flight while the current ones multiply.
-//   - x (at most 64 x K, L2-resident) is the B operand, read through L1 where the CTA's four
+//   - x (at most 8 x K, L2-resident) is the B operand, read through L1 where the CTA's four
 //     warps, working on the same K range, share it.
 //   - The fragment layout is matched to the loads by permuting K: thread (g, t) of a warp loads
 //     8 consecutive columns k0 + 8t .. k0 + 8t + 7 of a row and feeds them to two mma k-steps as
@@ -16,18 +16,9 @@
 //     (S <= 8). The S CTAs of one row block form a thread-block cluster and reduce their partial
 //     sums through distributed shared memory: one launch, no workspace, no atomics, deterministic.
 //
-// Two variants for the next measurement round (the dispatcher's splitk_pf / splitk_pdl; "splitk"
-// is the kernel as measured on 2026-11-29, unchanged):
-//   - kPrefetchL2: 8 lanes of each warp also ask L2 for the warp's 16 rows kPrefetchAhead steps
-//     beyond the register loads (cp.async.bulk.prefetch.L2: no registers, no completion to wait
-//     for). Each split streams only ~8 steps (8B: 1024 of K over 4 splits), so the start-up, not
-//     the steady state, is where the HBM queue runs dry; the prefetch fills it from the first step.
-//   - kPdl: launched with programmatic dependent launch. The CTAs may start while the previous
-//     kernel in the stream is still finishing; before griddepcontrol.wait they only prefetch their
-//     first steps of weight into L2 (a hint: it reads nothing into registers, so a weight written
-//     by that previous kernel is still read fresh after the wait, L2 being the coherence point).
-//     x is read, and out written, only after the wait. After the main loop the CTA lets the next
-//     PDL kernel start (launch_dependents); that kernel's own wait still orders it after our end.
+// The choice table (linear.cu) picks it for Qwen3-14B's QKV at M = 2..8, with 4 splits. Its
+// multi-token fragments (M <= 64), an L2 prefetch of the weight ahead of the loads and a PDL
+// launch, which no cell picks, are kept on branch experiment/kernel-launch-variants.
 //
 // Everything needs sm_90 (clusters); the sm_80 pass of the build compiles an empty body.
 #include <cooperative_groups.h>
@@ -38,7 +29,7 @@
 
 #include "linear_configs.h"
 #include "qwen3_kernels/common.cuh"
-#include "qwen3_kernels/tuning.cuh"  // LaunchConfig, launch_ex
+#include "qwen3_kernels/launch.cuh"  // LaunchConfig, launch_ex
 
 namespace qwen3_kernels::linear_detail {
 namespace {
@@ -47,34 +38,12 @@ constexpr int kWarps = 4;                  // per CTA; each owns 16 weight rows
 constexpr int kRowsPerCta = 16 * kWarps;   // 64 weight rows per CTA
 constexpr int kThreads = 32 * kWarps;
 constexpr int kKStep = 128;                // columns per pipelined main-loop step (4 x 32)
-// CTAs per SM the kernel is compiled for (the register cap: 65536 / (128 x CTAs)); the 64-token
-// variant needs more registers for its accumulators than four CTAs leave it.
-constexpr int min_ctas_per_sm(int nt) { return nt >= 8 ? 3 : 4; }
+// CTAs per SM the kernel is compiled for (the register cap: 65536 / (128 x CTAs)).
+constexpr int kMinCtasPerSm = 4;
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // device helpers: the sm_80 pass has no use
 
 constexpr int kRedStride = kRowsPerCta + 4;  // fp32 partials [token][row]; +4 avoids bank conflicts
-constexpr int kPrefetchAhead = 2;            // L2 prefetch distance past the register loads (steps)
-
-// bytes (a multiple of 16, 16-byte aligned) of the weight into L2, asynchronously: a hint that
-// holds no registers and is never waited for.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// One main-loop step (kKStep columns from column c, clipped to ke) of one weight row into L2.
-template <typename T>
-__device__ __forceinline__ void prefetch_step(const T* row, int c, int ke) {
-  if (c < ke) prefetch_l2(row + c, static_cast<uint32_t>(min(kKStep, ke - c) * sizeof(T)));
-}
-
-// Programmatic dependent launch (PTX griddepcontrol): no-ops when the launch did not ask for it.
-__device__ __forceinline__ void wait_for_previous_grid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-__device__ __forceinline__ void allow_next_grid() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 // 16 bytes of x: reused by the CTA's four warps, so through L1.
 __device__ __forceinline__ uint4 load_shared_operand(const void* p) {
@@ -125,8 +94,8 @@ __device__ __forceinline__ void mma_k32(float (&acc)[NT][4], const uint4& w_lo, 
 #endif  // !__CUDA_ARCH__ || __CUDA_ARCH__ >= 900
 
 // Grid (S, ceil(n / 64)), cluster (S, 1, 1): blockIdx.x is the K split, blockIdx.y the row block.
-template <typename T, int NT, bool kPrefetchL2, bool kPdl>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
+template <typename T, int NT>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     splitk_kernel(T* __restrict__ out,        // [m, n]
                   const T* __restrict__ x,    // [m, k], m <= 8 * NT
                   const T* __restrict__ w,    // [n, k]
@@ -147,20 +116,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
 
   const T* w_lo = w + static_cast<int64_t>(r_lo) * k + 8 * t;
   const T* w_hi = w + static_cast<int64_t>(r_hi) * k + 8 * t;
-  // The L2 prefetch: the 8 lanes with t == 0 (w_lo, w_hi at column 0 of rows g, g + 8) cover the
-  // warp's 16 rows, a step at a time, reusing the load pointers (no registers to spare at NT = 2).
-  // Steps 0..kPrefetchAhead are asked for up front: all of them while a PDL launch waits for the
-  // previous kernel, otherwise only those the register loads below do not reach at once.
-  const bool pf_lane = kPrefetchL2 && t == 0;
-  if (pf_lane) {
-#pragma unroll
-    for (int s = kPdl ? 0 : 2; s <= kPrefetchAhead; ++s) {
-      prefetch_step(w_lo, kb + s * kKStep, ke);
-      prefetch_step(w_hi, kb + s * kKStep, ke);
-    }
-  }
-  if (kPdl) wait_for_previous_grid();  // x, and the weight's registers, only after this
-
   const T* x_rows[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) x_rows[j] = x + static_cast<int64_t>(min(8 * j + g, m - 1)) * k + 8 * t;
@@ -182,10 +137,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
   }
   for (int kk = kb; kk < ke; kk += kKStep) {
     const int kn = kk + kKStep;
-    if (pf_lane) {
-      prefetch_step(w_lo, kn + kPrefetchAhead * kKStep, ke);
-      prefetch_step(w_hi, kn + kPrefetchAhead * kKStep, ke);
-    }
     uint4 nxt_lo[4], nxt_hi[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -206,8 +157,6 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
       cur_hi[u] = nxt_hi[u];
     }
   }
-
-  if (kPdl) allow_next_grid();  // only the reduction and the stores are left
 
   // Partial sums to shared memory as [token][row]: c0, c1 are (row g, tokens 2t, 2t+1) and
   // c2, c3 the same tokens for row g + 8.
@@ -247,60 +196,26 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(NT))
 #endif
 }
 
-template <typename T, int NT, bool kPrefetchL2, bool kPdl>
+template <typename T>
 cudaError_t launch(const Problem& p, int splits) {
   const int k = static_cast<int>(p.k);
   // Columns per split, a multiple of 8 (a thread's load); the last split may get fewer.
   const int k_chunk = ((k + splits - 1) / splits + 7) / 8 * 8;
   const LaunchConfig cfg(dim3(splits, static_cast<unsigned>((p.n + kRowsPerCta - 1) / kRowsPerCta), 1),
-                         dim3(kThreads, 1, 1), 0, p.stream, kPdl, splits);
-  return launch_ex(splitk_kernel<T, NT, kPrefetchL2, kPdl>, cfg, static_cast<T*>(p.out),
-                   static_cast<const T*>(p.x), static_cast<const T*>(p.w), static_cast<int>(p.m),
-                   static_cast<int>(p.n), k, k_chunk);
-}
-
-template <typename T, bool kPrefetchL2, bool kPdl>
-cudaError_t launch_for_m(const Problem& p, int splits) {
-  if (p.m <= 8) return launch<T, 1, kPrefetchL2, kPdl>(p, splits);
-  if (p.m <= 16) return launch<T, 2, kPrefetchL2, kPdl>(p, splits);
-  if (p.m <= 32) return launch<T, 4, kPrefetchL2, kPdl>(p, splits);
-  return launch<T, 8, kPrefetchL2, kPdl>(p, splits);
-}
-
-template <typename T>
-cudaError_t launch_variant(const Problem& p, int splits, SplitKVariant variant) {
-  switch (variant) {
-    case SplitKVariant::kRound2:
-      return launch_for_m<T, false, false>(p, splits);
-    case SplitKVariant::kPrefetch:
-      return launch_for_m<T, true, false>(p, splits);
-    case SplitKVariant::kPrefetchPdl:
-      return launch_for_m<T, true, true>(p, splits);
-  }
-  return cudaErrorNotSupported;
+                         dim3(kThreads, 1, 1), 0, p.stream, false, splits);
+  return launch_ex(splitk_kernel<T, 1>, cfg, static_cast<T*>(p.out), static_cast<const T*>(p.x),
+                   static_cast<const T*>(p.w), static_cast<int>(p.m), static_cast<int>(p.n), k,
+                   k_chunk);
 }
 
 }  // namespace
 
-int splitk_default_splits(int64_t m, int64_t n, int64_t k, int sm_count) {
-  // Measured on the H200 (2026-11-29, bench_linear.py configs): 4 splits beat 5 and 8 on every
-  // shape, so no more than 4; fewer only where 4 x row blocks would not all be resident at once
-  // (32B: 160 x 4 > 4 x 132) or the split would get less than one main-loop step of K.
-  const int nt = m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-  const int64_t row_blocks = (n + kRowsPerCta - 1) / kRowsPerCta;
-  const int64_t resident = static_cast<int64_t>(min_ctas_per_sm(nt)) * std::max(1, sm_count);
-  int s = 4;
-  while (s > 1 && (row_blocks * s > resident || k < static_cast<int64_t>(s) * kKStep)) s /= 2;
-  return s;
-}
-
-cudaError_t splitk_gemm(const Problem& p, bool bf16, int splits, SplitKVariant variant) {
+cudaError_t splitk_gemm(const Problem& p, bool bf16, int splits) {
   if (p.m < 1 || p.m > kSplitKMaxM || splits < 1 || splits > 8) return cudaErrorNotSupported;
   if (p.n % 8 != 0 || p.k % 8 != 0 || p.k > (int64_t{1} << 30) || p.n > (int64_t{1} << 30)) {
     return cudaErrorNotSupported;
   }
-  cudaError_t err = bf16 ? launch_variant<__nv_bfloat16>(p, splits, variant)
-                         : launch_variant<__half>(p, splits, variant);
+  cudaError_t err = bf16 ? launch<__nv_bfloat16>(p, splits) : launch<__half>(p, splits);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 

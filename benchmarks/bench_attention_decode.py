@@ -1,6 +1,6 @@
 """paged_attention_decode vs torch SDPA decode (q length 1) on the same K/V laid out dense.
 
-    cd benchmarks && pytest -q -s bench_attention_decode.py    # -> results/bench_attention_decode.json
+    cd benchmarks && pytest -q -s bench_attention_decode.py   # -> results/<this file>.json
 
 bf16, head_dim 128, GQA 32/8 and 16/8, block sizes 16 and 256. Every sequence of a case has the
 same context length so the dense baselines do exactly the same work.

@@ -74,7 +74,8 @@ def test_silu_and_mul(t, report):
     comp_out = _compiled(ref_out)
     ours_fns = [lambda x=x, o=o: qwen3_kernels.silu_and_mul(x, out=o) for x, o in zip(xs, outs)]
     ours = time_gpu(ours_fns, calls_per_replay=64)
-    eager = time_gpu([lambda x=x: F.silu(x[:, :inter]) * x[:, inter:] for x in xs], calls_per_replay=64)
+    eager = time_gpu([lambda x=x: F.silu(x[:, :inter]) * x[:, inter:] for x in xs],
+                     calls_per_replay=64)
     comp_fns = [lambda x=x: comp(x) for x in xs]
     comp_out_fns = [lambda x=x, o=o: comp_out(x, o) for x, o in zip(xs, outs)]
     compiled = time_gpu(comp_fns, calls_per_replay=64)

@@ -8,9 +8,9 @@
     python bench_engine.py --size 8B --scheduling-policy longest_first --max-num-seqs 176 \
         --max-num-batched-tokens 384                         # the throughput setting (README)
     python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
-    python bench_engine.py --size 0.6B --profile --num-seqs 256   # one decode step, kernel by kernel
-    python bench_engine.py --size 8B --profile --profile-overlap --num-seqs 1 --tp 2  # in generate's loop
-    python bench_engine.py --size 8B --no-overlap-steps --tp-all-reduce nccl --tp 2   # engine settings
+    python bench_engine.py --size 0.6B --profile --num-seqs 256   # a decode step, kernel by kernel
+    python bench_engine.py --size 8B --profile --profile-overlap --num-seqs 1 --tp 2  # in generate
+    python bench_engine.py --size 8B --no-overlap-steps --tp-all-reduce nccl --tp 2  # LLM settings
 
 Each workload run (not --profile) also writes its row into results/bench_engine.json (--results-dir
 to put it elsewhere; a row with the same workload, model and settings is replaced, others kept):
@@ -205,7 +205,8 @@ def run_ours_throughput(llm: LLM, prompts, max_tokens, timeline: bool = False):
     return seconds, n_out, timeline_summary(records) if records else None
 
 
-# Decode steps by batch size (the graphs' buckets are multiples of 16): where the workload's time goes.
+# Decode steps by batch size (the graphs' buckets are multiples of 16): where the workload's time
+# goes.
 TIMELINE_BINS = (16, 64, 128, 192, 256, 10**9)
 
 
@@ -338,7 +339,8 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     model = runner.model
     cfg = llm.config.hf_config
     kv_heads = max(1, cfg.num_key_value_heads // llm.config.tensor_parallel_size)
-    kv_bytes = num_seqs * (context + steps) * cfg.num_hidden_layers * 2 * kv_heads * cfg.head_dim * 2
+    kv_bytes = (num_seqs * (context + steps) * cfg.num_hidden_layers * 2 * kv_heads
+                * cfg.head_dim * 2)
     w_bytes = weight_bytes_per_token(model)
     ideal_us = (w_bytes + kv_bytes) / (H200_READ_TBS * 1e6)
     print(f"\ndecode step profile: {num_seqs} sequences at ~{context} tokens, {steps} steps "
@@ -467,7 +469,8 @@ def run_hf_batch1(path: str, dtype, prompt, new_tokens: int) -> float:
 # ---- main -------------------------------------------------------------------------------------
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--size", choices=sorted(QWEN3_SIZES) + ["demo"], default="0.6B",
                      help="random-weight Qwen3 at this real shape (demo: a tiny one, for a CPU "
@@ -502,7 +505,8 @@ def main(argv=None):
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-piecewise-graph-tokens", type=int, default=512,
-                   help="LLM's max_piecewise_graph_tokens (0: steps with prompt tokens run eagerly)")
+                   help="LLM's max_piecewise_graph_tokens (0: steps with prompt tokens run "
+                        "eagerly)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="GPUs (one process each); weights bandwidth is then per GPU")
     p.add_argument("--no-overlap-steps", action="store_true",
@@ -531,7 +535,8 @@ def main(argv=None):
                     f"({qwen3_kernels.cuda_kernels_import_error()}); build it "
                     "(pip install --no-build-isolation -e .) or pass --allow-reference")
 
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="qwen3-bench-") as tmp:
         if args.model:
             path, dummy, name = args.model, False, Path(args.model).name

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shape list lives with the tests
 
+import qwen3_kernels  # noqa: E402,F401 - registers torch.ops.qwen3_kernels
 from common import rematch, sets_for, time_gpu  # noqa: E402
 from tests.test_linear import QKV_SHAPES  # noqa: E402
 

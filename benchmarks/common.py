@@ -26,7 +26,8 @@ def time_gpu(fns, reps: int = 30, graph: bool = True, calls_per_replay: int | No
     """Median seconds of one call; fns is a list of closures (one per rotated input set).
 
     With graph=True the calls are captured once into a CUDA graph (repeated to fill at least
-    ``calls_per_replay`` calls) and replays are timed; falls back to eager launches if capture fails.
+    ``calls_per_replay`` calls) and replays are timed; falls back to eager launches if capture
+    fails.
     """
     if callable(fns):
         fns = [fns]

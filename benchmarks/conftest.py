@@ -1,9 +1,9 @@
 """Benchmarks collect rows through the ``report`` fixture; the session ends with one table per
 bench and one JSON file per bench (record.py says what is in it).
 
-    cd benchmarks && pytest -q -s bench_elementwise.py               # -> results/bench_elementwise.json
+    cd benchmarks && pytest -q -s bench_elementwise.py        # -> results/bench_elementwise.json
     pytest -q -s benchmarks/bench_linear.py --results-dir "$OUT/results"
-    python benchmarks/report.py                                      # RESULTS.md, plots, README table
+    python benchmarks/report.py                               # RESULTS.md, plots, README table
 
 Each row: the op and case, our time, each baseline's time from the same run, the bytes that must
 move (-> TB/s and the fraction of the H200 read ceiling) or the FLOPs (-> TFLOP/s and the fraction

@@ -189,7 +189,8 @@ def _pyplot():
         import matplotlib
     except ImportError:
         raise SystemExit("report.py: the plots need matplotlib: pip install matplotlib (or "
-                         "pip install -e \".[plots]\"); --no-plots writes the tables only") from None
+                         "pip install -e \".[plots]\"); --no-plots writes the tables only"
+                         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

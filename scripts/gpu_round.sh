@@ -7,10 +7,10 @@
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   ENGINE="--size 8B --batch1;--size 8B --no-overlap-steps" bash scripts/gpu_round.sh
 #                         # bench_engine.py runs, ";"-separated (each its flags)
-#   TEST_TIMEOUT=300 FILE_TIMEOUT=900  # a test past 300 s dumps its stacks; a file past 900 s is killed
+#   TEST_TIMEOUT=300 FILE_TIMEOUT=900  # a test past 300 s dumps its stacks; a file past 900 s dies
 #   PARALLEL=1 ...        # on a machine with >= 2 GPUs: the test files run at once (each file one
-#                         # process, round-robin over all GPUs but the last) while the benchmarks run
-#                         # alone on the last GPU; tests needing 2 GPUs do not belong in such a round
+#                         # process, round-robin over all GPUs but the last) while the benchmarks
+#                         # run alone on the last GPU; tests needing 2 GPUs do not belong in it
 #
 # Where things go: logs to $OUT (or ./out); every benchmark writes its JSON to $OUT/results
 # (--results-dir), and the round ends with $OUT/RESULTS.md made from them (report.py, tables only).
@@ -38,9 +38,13 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
     >"$OUT/build.log" 2>&1
   rc=$?
   echo "build: rc=$rc in $(( $(date +%s) - start )) s"
-  if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1; fi
+  if [ $rc -ne 0 ]; then
+    grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1
+  fi
 fi
-(cd /tmp && python3 -c "import torch, qwen3_kernels; assert qwen3_kernels.has_cuda_kernels(), qwen3_kernels.cuda_kernels_import_error(); print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)") || exit 1
+(cd /tmp && python3 -c "import torch, qwen3_kernels as q
+assert q.has_cuda_kernels(), q.cuda_kernels_import_error()
+print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)") || exit 1
 
 TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -54,10 +58,12 @@ if [ "${PARALLEL:-0}" = 1 ] && [ "$NGPU" -ge 2 ] && [ "$TESTS" != none ]; then
     kexpr=()
     if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
     ( start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
-        -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
+      CUDA_VISIBLE_DEVICES=$gpu timeout "${FILE_TIMEOUT:-900}" \
+        python3 -m pytest -q -rf --maxfail=25 -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
         -p no:cacheprovider "$f" "${kexpr[@]}" ${PYTEST_ARGS:-} > "$log" 2>&1
-      echo "tests $f ${kexpr[*]} (GPU $gpu): rc=$? $(grep -E '(passed|failed|error)' "$log" | tail -1) ($(( $(date +%s) - start )) s)" >> "$log.sum" ) &
+      rc=$?
+      echo "tests $f ${kexpr[*]} (GPU $gpu): rc=$rc $(grep -E '(passed|failed|error)' "$log" \
+        | tail -1) ($(( $(date +%s) - start )) s)" >> "$log.sum" ) &
   done
   TESTS=none
   export CUDA_VISIBLE_DEVICES=$(( NGPU - 1 ))
@@ -72,9 +78,12 @@ if [ "$TESTS" != none ]; then
     if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
     # faulthandler_timeout (built into pytest) dumps every thread's stack when one test runs past
     # TEST_TIMEOUT, so a hang shows where it is; FILE_TIMEOUT then kills the file's process.
-    timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
-      -p no:cacheprovider "$f" "${kexpr[@]}" ${PYTEST_ARGS:-} >> "$OUT/tests.log" 2>&1
-    echo "tests $f ${kexpr[*]}: rc=$? $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1) ($(( $(date +%s) - start )) s)"
+    timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
+      -o faulthandler_timeout=${TEST_TIMEOUT:-300} -p no:cacheprovider "$f" "${kexpr[@]}" \
+      ${PYTEST_ARGS:-} >> "$OUT/tests.log" 2>&1
+    rc=$?
+    echo "tests $f ${kexpr[*]}: rc=$rc $(grep -E '(passed|failed|error)' "$OUT/tests.log" \
+      | tail -1) ($(( $(date +%s) - start )) s)"
   done
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
@@ -84,9 +93,10 @@ RESULTS="$(cd "$OUT" && pwd)/results"
 mkdir -p "$RESULTS"
 if [ "$BENCH" != none ]; then
   : > "$OUT/bench.log"
-  for f in $BENCH; do  # one process per file, each under a time limit; each writes $RESULTS/<bench>.json
+  for f in $BENCH; do  # one process per file, under a time limit; each writes $RESULTS/<bench>.json
     (cd benchmarks && timeout "${BENCH_TIMEOUT:-300}" \
-       python3 -m pytest -q -s -p no:cacheprovider $f --results-dir "$RESULTS" ${BENCH_ARGS:-} 2>&1) \
+       python3 -m pytest -q -s -p no:cacheprovider $f --results-dir "$RESULTS" ${BENCH_ARGS:-} \
+       2>&1) \
        >> "$OUT/bench.log"
   done
   grep -E "FAILED|Error" "$OUT/bench.log" | head -20

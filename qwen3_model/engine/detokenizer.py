@@ -1,0 +1,82 @@
+"""Incremental detokenization of the requests' outputs, and stop strings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from qwen3_model.engine.sequence import Sequence, SequenceStatus
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None (token-id prompts only, text outputs are "")."""
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        return None  # (and no attempt to reach the Hub from an offline machine)
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass
+class DetokState:
+    """Where one request's incremental detokenization stands."""
+
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # all text so far, cut before a stop string once one matched
+    emitted: int = 0  # chars already streamed
+    ids: list[int] = field(default_factory=list)  # ids fed to the detokenizer
+
+
+class Detokenizer:
+    """Feeds each request's new tokens to the tokenizer and matches its stop strings; a match
+    ends the request through ``finish(seq, "stop", stop_string)`` (``Scheduler.finish``)."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...],
+                 finish: Callable[[Sequence, str, str], None]):
+        self.tokenizer = tokenizer  # None: ids only
+        self.eos_token_ids = eos_token_ids
+        self.finish = finish
+
+    def step(self, seq: Sequence, state: DetokState, want_text: bool) -> None:
+        """Feed ``seq``'s new tokens to its detokenizer; apply stop strings."""
+        p = seq.params
+        new_ids = seq.token_ids[seq.num_prompt_tokens + len(state.ids):]  # O(new), not O(output)
+        if isinstance(seq.stop_reason, int) or (
+            seq.finish_reason == "stop" and seq.stop_reason is None and new_ids
+            and new_ids[-1] in self.eos_token_ids
+        ):
+            new_ids = new_ids[:-1]  # the stop id / EOS that ended it is not part of the text
+        state.ids.extend(new_ids)
+        if self.tokenizer is None or not (want_text or p.stop):
+            return
+        before = len(state.text)
+        state.text += self._decode_new(state)
+        if p.stop and seq.num_completion_tokens > p.min_tokens:
+            longest = max(len(s) for s in p.stop)
+            start = max(0, before - longest + 1)
+            hits = [(state.text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                cut, s = min(hits)
+                state.text = state.text[:cut]
+                if seq.status == SequenceStatus.FINISHED:  # it also hit a length limit this step
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                else:
+                    self.finish(seq, "stop", s)
+
+    def _decode_new(self, state: DetokState) -> str:
+        """Text added by the ids past read_offset; empty while a multi-byte char is incomplete."""
+        tok = self.tokenizer
+        ids = state.ids
+        prefix = tok.decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=True)
+        full = tok.decode(ids[state.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+            return full[len(prefix) :]
+        return ""

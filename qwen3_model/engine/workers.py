@@ -1,0 +1,300 @@
+"""Tensor-parallel worker processes: one process per rank, rank 0 (the engine's process) drives.
+
+Start (``start_workers``: spawn ranks 1..world-1, form the process group), the worker loop
+(``_tp_worker``: build the same ModelRunner, run every step plan rank 0 sends), watch
+(``dead_worker``, ``NcclWatch``), stop (``stop_workers``), and NCCL's abort (``abort_nccl``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from qwen3_model.config import Config
+from qwen3_model.distributed import (abort_custom_all_reduce, close_collectives, open_collectives,
+                                     release_all_reduce)
+from qwen3_model.engine.model_runner import ModelRunner
+
+# Lifecycle: close(), garbage collection and interpreter exit (weakref.finalize) send every worker
+# "exit" and kill any that has not gone within _JOIN_TIMEOUT_S. A failed step on any rank (a worker
+# that raised or was killed, an exception or KeyboardInterrupt on rank 0) kills the workers at once:
+# some rank is then mid-step and the ranks cannot agree on what runs next. A worker that loses
+# rank 0 (its pipe closes, or a collective finds the peer gone) exits by itself. Every wait of rank 0
+# on a worker checks the worker is alive; a worker's death reaches a blocked gloo collective as a
+# "connection closed" error at once.
+
+_TP_TIMEOUT = timedelta(minutes=10)  # a rank that hangs (alive) shows up as a collective timing out
+_JOIN_TIMEOUT_S = 10.0  # close(): how long a worker gets to leave cleanly before it is killed
+FAIL_GRACE_S = 5.0  # a failed step: how long a crashing worker gets to exit, so we can name it
+_POLL_S = 0.1
+
+
+def _init_tp_group(config: Config, rank: int, world: int, port: int) -> None:
+    # init_method rather than MASTER_ADDR / MASTER_PORT: the user's environment is left as it was
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=_TP_TIMEOUT)
+    open_collectives()  # (closed by an earlier engine's abort in this process)
+
+
+def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn) -> None:
+    """Ranks 1..world-1: build the same runner, then run every step rank 0 sends. Exits with code 1
+    after reporting an exception to rank 0 (which raises it)."""
+    # Ctrl-C reaches the whole process group; rank 0 alone decides, and stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_when_orphaned()
+    runner = None
+    try:
+        config = Config(model, **kwargs)
+        if config.device == "cpu":
+            torch.set_num_threads(1)  # the ranks share the machine's cores
+        _init_tp_group(config, rank, world, port)
+        runner = ModelRunner(config, rank=rank)
+        conn.send(("ready", runner.num_blocks))
+        while True:
+            msg, arg = conn.recv()
+            if msg == "exit":
+                break
+            runner.forward_plan(arg)
+            runner.receive_sampled(arg)  # rank 0's sampled tokens, for the next step's inputs
+    except EOFError:  # rank 0 went away
+        pass
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass  # rank 0 is gone too
+        sys.exit(1)
+    finally:
+        if runner is not None:
+            _release_graphs(runner.graphs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _release_graphs(graphs: dict) -> None:
+    """Destroy the CUDA graphs before the process group: captured NCCL collectives hold on to the
+    communicator, and destroying it under live graphs can block (nano-vllm drops its graphs first
+    for the same reason)."""
+    if graphs:
+        graphs.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    release_all_reduce()  # its symmetric buffer was set up over the group too
+
+
+def _exit_when_orphaned(poll_s: float = 0.5) -> None:
+    """A worker whose rank 0 was killed (SIGKILL: no exit message, no closed pipe while the worker
+    sits in an NCCL collective that will never complete) must not live on holding its GPU: a daemon
+    thread sees the parent change (re-parented) and ends the process at once."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="qwen3-tp-orphan-watch").start()
+
+
+def start_workers(model: str, kwargs: dict, config: Config, world: int) -> list:
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # The workers are spawned with this process's environment as it is, NCCL_* variables included:
+    # nothing in qwen3_model sets or changes an NCCL variable (NCCL features are the user's choice).
+    ctx = mp.get_context("spawn")
+    workers = []
+    try:
+        for rank in range(1, world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_tp_worker, args=(model, kwargs, rank, world, port, child),
+                               daemon=True)
+            proc.start()
+            child.close()  # the worker holds the only other end: its exit makes recv() fail
+            workers.append((proc, parent))
+        _run_while_alive(workers, lambda: _init_tp_group(config, 0, world, port))
+    except BaseException:
+        stop_workers(workers, dist.is_initialized(), graceful=False)
+        raise
+    return workers
+
+
+def _describe_exit(rank: int, proc, conn) -> str:
+    code = proc.exitcode
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        how += f" (signal {signal.Signals(-code).name})"
+    msg = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with {how}"
+    try:
+        if conn.poll():
+            kind, text = conn.recv()
+            if kind == "error":
+                msg += f": {text}"
+    except (OSError, EOFError):
+        pass
+    return msg
+
+
+def dead_worker(workers: list) -> str | None:
+    """A description of the first worker that has exited, or None while all are alive."""
+    for rank, (proc, conn) in enumerate(workers, start=1):
+        if proc.exitcode is not None:
+            return _describe_exit(rank, proc, conn)
+    return None
+
+
+def recv_while_alive(workers: list, rank: int):
+    """The next message from worker ``rank``; a RuntimeError if any worker dies meanwhile."""
+    conn = workers[rank - 1][1]
+    while not conn.poll(_POLL_S):
+        if (dead := dead_worker(workers)) is not None:
+            raise RuntimeError(f"LLM: {dead}")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"LLM: {_describe_exit(rank, *workers[rank - 1])}") from None
+
+
+def _run_while_alive(workers: list, fn) -> None:
+    """fn() in a helper thread while polling the workers: a rendezvous with a worker that died
+    first would otherwise wait for the whole _TP_TIMEOUT."""
+    box: list = []
+
+    def target():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(_POLL_S)
+        if thread.is_alive() and (dead := dead_worker(workers)) is not None:
+            raise RuntimeError(f"LLM: {dead} while the tensor-parallel group was forming")
+    if box[0] is not None:
+        raise box[0]
+
+
+def stop_workers(workers: list, owns_group: bool, graceful: bool = True,
+                  graphs: dict | None = None, watch: "NcclWatch | None" = None) -> None:
+    """Stop every worker (bounded: a worker that does not leave in time is killed), then this
+    process's side of the group, after its CUDA graphs (``graphs``, cleared: the engine cannot
+    replay them without the group anyway). ``graceful=False``: kill at once (they may be
+    mid-collective), and abort NCCL rather than destroy the group (a destroy waits for
+    collectives that a killed peer will never join)."""
+    if watch is not None:
+        watch.stop()  # workers leaving on purpose are not a failure
+    if graceful:
+        for proc, conn in workers:
+            try:
+                conn.send(("exit", None))
+            except OSError:  # BrokenPipeError: it is already gone
+                pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for proc, _ in workers:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc, conn in workers:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=_JOIN_TIMEOUT_S)  # SIGKILL cannot be ignored: this returns promptly
+        conn.close()
+    workers.clear()
+    stuck = False
+    if owns_group and not graceful:
+        if graphs:
+            graphs.clear()  # no sync: a replay may be waiting for the dead peer until the abort
+        # (a no-op for gloo, whose collectives fail on a closed peer)
+        stuck = not abort_nccl() and _ABORT_THREAD[0] is not None and _ABORT_THREAD[0].is_alive()
+        if stuck:
+            warnings.warn(f"LLM: NCCL's abort did not finish within {_ABORT_WAIT_S:.0f} s; this "
+                          "process's tensor-parallel group is left as it is (a new LLM in this "
+                          "process cannot use NCCL)", RuntimeWarning, stacklevel=2)
+    if owns_group and dist.is_initialized() and not stuck:
+        _release_graphs(graphs)
+        dist.destroy_process_group()
+
+
+_ABORT_LOCK = threading.Lock()
+_ABORT_THREAD: list = [None]  # the abort in flight (or done), shared by the watch and the main thread
+# How long a failing engine waits for NCCL's abort before it raises anyway. On two H200s with CUDA
+# graphs (torch 2.11, NCCL P2P/CUMEM), the abort of a communicator whose captured all-reduce waits
+# for a killed peer does not return while those graphs are alive; the engine drops its graphs
+# before it waits (LLMEngine._check_workers, stop_workers), and must not hang on it either way.
+_ABORT_WAIT_S = 10.0
+
+
+def abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
+    """Abort this process's NCCL communicators: a collective waiting for a dead peer then ends,
+    and so does any host sync queued behind it. The group is gone afterwards.
+
+    The abort runs in a daemon thread (one at a time; a second caller joins the one in flight),
+    waited for at most ``wait_s``: True when it finished, False when there was nothing to abort
+    (no group, or a gloo group) or it is still running (then the group must not be destroyed
+    either: that would wait for the same collectives).
+
+    First, our own all-reduce (the TP default) stops waiting for the dead peer: a host
+    write that its spinning kernel reads, so a replay stuck on it drains; NCCL's abort cannot end
+    a kernel that is not NCCL's."""
+    abort_custom_all_reduce()
+    with _ABORT_LOCK:
+        thread = _ABORT_THREAD[0]
+        if thread is None or not thread.is_alive():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+                return False
+
+            def run():
+                try:
+                    close_collectives()  # see qwen3_model.distributed: no eager call meets the abort
+                    abort()
+                except Exception:  # noqa: BLE001 - the caller raises the error that names the dead worker
+                    pass
+
+            thread = threading.Thread(target=run, daemon=True, name="qwen3-nccl-abort")
+            _ABORT_THREAD[0] = thread
+            thread.start()
+    thread.join(wait_s)
+    return not thread.is_alive()
+
+
+class NcclWatch:
+    """Rank 0 with tensor parallelism on CUDA: a daemon thread that waits on the workers' exit
+    sentinels. A worker that dies mid-step leaves this rank's NCCL collective waiting forever, and
+    with it whatever host sync is behind it: the step's event (which the runner polls, tp_watch)
+    but also a sync inside the forward (a reference op's .item() on the eager path), which no
+    polling in this thread could reach. The watch aborts NCCL at once, which ends the collective;
+    the engine then raises the error naming the worker (tp_watch, step, _fail_tp)."""
+
+    def __init__(self, workers: list):
+        self._sentinels = [proc.sentinel for proc, _ in workers]
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="qwen3-tp-nccl-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        from multiprocessing.connection import wait
+
+        while not self._stopped.is_set():
+            if wait(self._sentinels, timeout=0.2) and not self._stopped.is_set():
+                abort_nccl()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)

@@ -7,7 +7,9 @@ bench and one JSON file per bench (record.py says what is in it).
 
 Each row: the op and case, our time, each baseline's time from the same run, the bytes that must
 move (-> TB/s and the fraction of the H200 read ceiling) or the FLOPs (-> TFLOP/s and the fraction
-of cuBLAS's 739 TFLOP/s). Files named bench_*.py are collected here (tests/ keeps test_*.py).
+of cuBLAS's 739 TFLOP/s). A run replaces its bench's file (one command, date and commit per
+table): rerun the whole bench before report.py, not a -k subset. Files named bench_*.py are
+collected here (tests/ keeps test_*.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ sys.path.insert(0, str(HERE))
 import record  # noqa: E402
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+README_HEAD = ("| what | ours | baseline in the same run | ratio | GPU | commit |",
+               "|---|---|---|---|---|---|")
 # the per-op benches in the order RESULTS.md shows them; others follow by name
 ORDER = ["bench_elementwise", "bench_qk_norm_rope", "bench_attention_decode",
          "bench_attention_prefill", "bench_linear", "bench_sample", "bench_engine"]
@@ -139,8 +141,7 @@ def results_md(docs: dict[str, dict]) -> str:
 
 def readme_rows(docs: dict[str, dict]) -> list[str]:
     """README's table: one line a row (what, ours, baseline in the same run, ratio, GPU, commit)."""
-    lines = ["| what | ours | baseline (same run) | ratio | GPU | commit |",
-             "|---|---|---|---|---|---|"]
+    lines = list(README_HEAD)
     for bench, doc in docs.items():
         for r in doc.get("rows", []):
             if bench == "bench_engine":
@@ -163,7 +164,7 @@ def readme_rows(docs: dict[str, dict]) -> list[str]:
                 continue
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
             lines.append(f"| {what} | {ours} | {base} | {ratio} | {gpu} | {commit} |")
-    return lines if len(lines) > 2 else []
+    return lines if len(lines) > len(README_HEAD) else []
 
 
 def update_readme(readme: Path, rows: list[str]) -> bool:
@@ -173,8 +174,8 @@ def update_readme(readme: Path, rows: list[str]) -> bool:
     text = readme.read_text()
     if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
         return False
-    body = rows or ["No results yet: `python benchmarks/report.py` fills this table from the "
-                    "benchmarks' JSON."]
+    body = rows or [*README_HEAD, "| (no measurements yet: `bash scripts/gpu_round.sh`, then "
+                                  "`python benchmarks/report.py`) | | | | | |"]
     new = (text[:text.index(BEGIN) + len(BEGIN)] + "\n" + "\n".join(body) + "\n"
            + text[text.index(END):])
     if new != text:

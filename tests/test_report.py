@@ -126,4 +126,6 @@ def test_no_results_gives_a_stub(tmp_path, modules):
     readme.write_text("<!-- results:begin -->\n<!-- results:end -->\n")
     report.main(["--results-dir", str(tmp_path / "none"), "--results-md", str(md),
                  "--readme", str(readme)])
-    assert "No results yet" in md.read_text() and "report.py" in readme.read_text()
+    assert "No results yet" in md.read_text()
+    table = readme.read_text()
+    assert "\n| what | ours | baseline in the same run |" in table and "report.py" in table

@@ -1,13 +1,23 @@
-"""The ops as Python functions: input checks, then ``torch.ops.qwen3_kernels.*``.
+"""The ops: each schema and each op's input checks, once.
 
 Every op is an out-variant in the dispatcher (``Tensor!`` outputs, returns ``()``), so it can run
 inside a CUDA graph with buffers allocated once. The functions here allocate ``out`` when it is
 not given and return it.
 
-Dispatch: the CUDA extension (``qwen3_kernels._C``) registers each schema and its CUDA kernel.
-Without it (no CUDA torch or no nvcc at install time) the same schemas are registered here and
-every device runs the fp32 reference in ``reference.py``. Either way the CPU implementation is the
-reference, and each op has a fake impl so ``torch.compile(fullgraph=True)`` traces it.
+One contract per op, in this file:
+  - Schemas. ``SCHEMAS`` below is the only schema text: this module defines the
+    ``qwen3_kernels`` library from it before it imports the CUDA extension
+    (``qwen3_kernels._C``), which only registers CUDA implementations (TORCH_LIBRARY_IMPL in
+    csrc/torch_bindings.cpp). Without the extension (no CUDA torch or no nvcc at install time)
+    every device runs the fp32 reference in ``reference.py``. Either way the CPU implementation
+    is the reference, and each op has a fake impl so ``torch.compile(fullgraph=True)`` traces it.
+  - Input checks. ``qwen3_kernels.<op>`` (the functions below) is the checked API: types, dims,
+    dtypes, devices, shapes, strides and alignment, each a ValueError that names the op and the
+    argument. The C++ side keeps only its dtype dispatch and the launch-error check, so a raw
+    ``torch.ops.qwen3_kernels.<op>`` call is an unchecked launch, as vLLM's ``_C`` ops are. Why
+    here and not in C++: the engine's host path. Checks in C++ ran on every launch, even for
+    arguments the engine built itself from tensors it owns; in Python the engine's eager steps
+    skip them (``trusted_inputs()``), while its tests and every other caller keep them.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import torch
 
 from . import reference as ref
 
-# Kept equal to the ops.def(...) strings in csrc/torch_bindings.cpp (tests/test_ops_cpu.py checks).
+# The schema of every op; the CUDA extension registers implementations for these names only.
 SCHEMAS = {
     "silu_and_mul": "silu_and_mul(Tensor! out, Tensor x) -> ()",
     "rms_norm": "rms_norm(Tensor! out, Tensor x, Tensor weight, float eps) -> ()",
@@ -59,17 +69,18 @@ SCHEMAS = {
     ),
 }
 
+_lib_def = torch.library.Library("qwen3_kernels", "DEF")
+for _schema in SCHEMAS.values():
+    _lib_def.define(_schema)
+
 try:
-    from . import _C  # noqa: F401  (registers the schemas and CUDA kernels)
+    from . import _C  # noqa: F401  (registers the CUDA implementations)
 
     _HAS_CUDA_KERNELS = True
     _IMPORT_ERROR = None
 except ImportError as e:  # built without CUDA, or the build is missing
     _HAS_CUDA_KERNELS = False
     _IMPORT_ERROR = e
-    _lib_def = torch.library.Library("qwen3_kernels", "DEF")
-    for _schema in SCHEMAS.values():
-        _lib_def.define(_schema)
 
 _OPS = torch.ops.qwen3_kernels
 
@@ -487,8 +498,8 @@ def sample_tokens(
     op = "sample_tokens"
     _check_tensor(op, "logits", logits, ndim=2, dtypes=_FLOAT_DTYPES)
     n, v = logits.shape
-    if v < 1:
-        _fail(op, f"logits must have at least one column, got shape {tuple(logits.shape)}")
+    if not 1 <= v <= 2**30:
+        _fail(op, f"logits' vocab dim must be in [1, 2^30], got shape {tuple(logits.shape)}")
     _check_tensor(op, "temperatures", temperatures, ndim=1, dtype=torch.float32,
                   device=logits.device)
     _check_shape(op, "temperatures", temperatures, (n,))

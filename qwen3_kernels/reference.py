@@ -4,7 +4,7 @@ Each function computes in fp32 and returns its result in the input dtype. Tests 
 kernels against these, benchmarks use them as the eager / ``torch.compile`` baseline, and the
 package falls back to them on CPU (or for shapes a kernel does not cover).
 
-Names match the schema in ``csrc/torch_bindings.cpp`` and the kernels in ``csrc/kernels/``.
+Names match the schemas in ``ops.py`` and the kernels in ``csrc/kernels/``.
 These functions do not validate their inputs: ``qwen3_kernels.ops`` does, once, for every path.
 """
 

@@ -121,15 +121,16 @@ def test_cuda_graph_replay_with_new_keys():
     assert not torch.equal(out, first)
 
 
-def test_raw_op_errors_and_opcheck():
+def test_errors_and_opcheck():
+    # The checked API raises ValueError; the raw torch.ops call is an unchecked launch.
     logits = torch.randn(4, 64, device="cuda")
     temps = torch.ones(4, device="cuda")
     keys = keys_for(4)
     out = torch.empty(4, dtype=torch.int64, device="cuda")
-    with pytest.raises(RuntimeError, match="temperatures must be"):
-        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps.double(), keys)
-    with pytest.raises(RuntimeError, match="seed_keys must be"):
-        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps, keys[:, :2].contiguous())
-    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-        torch.ops.qwen3_kernels.sample_tokens(out, logits, temps.cpu(), keys)
+    with pytest.raises(ValueError, match="temperatures must be"):
+        qwen3_kernels.sample_tokens(logits, temps.double(), keys, out=out)
+    with pytest.raises(ValueError, match="seed_keys must have shape"):
+        qwen3_kernels.sample_tokens(logits, temps, keys[:, :2].contiguous(), out=out)
+    with pytest.raises(ValueError, match="temperatures is on cpu"):
+        qwen3_kernels.sample_tokens(logits, temps.cpu(), keys, out=out)
     torch.library.opcheck(torch.ops.qwen3_kernels.sample_tokens.default, (out, logits, temps, keys))

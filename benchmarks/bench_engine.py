@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402
 
-from qwen3_model.config import SCHEDULING_POLICIES  # noqa: E402
+from qwen3_model.config import SCHEDULING_POLICIES, TP_ALL_REDUCE_CHOICES  # noqa: E402
 from qwen3_model.llm import LLM  # noqa: E402
 from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  # noqa: E402
 from qwen3_model.sampling_params import SamplingParams  # noqa: E402
@@ -172,12 +172,8 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
               kvcache_block_size=args.block_size, dtype=args.dtype,
               tensor_parallel_size=args.tensor_parallel_size,
               scheduling_policy=args.scheduling_policy,
-              max_piecewise_graph_tokens=args.max_piecewise_graph_tokens)
-    # the engine settings go to LLM only when they differ from its defaults (overlap on, auto)
-    if args.no_overlap_steps:
-        kw["overlap_steps"] = False
-    if args.tp_all_reduce != "auto":
-        kw["tp_all_reduce"] = args.tp_all_reduce
+              max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
+              overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce)
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
@@ -512,7 +508,7 @@ def main(argv=None):
     p.add_argument("--no-overlap-steps", action="store_true",
                    help="LLM(overlap_steps=False): the host prepares a step only after the last "
                         "one's tokens are read (default: overlapped)")
-    p.add_argument("--tp-all-reduce", choices=["auto", "custom", "nccl"], default="auto",
+    p.add_argument("--tp-all-reduce", choices=TP_ALL_REDUCE_CHOICES, default="auto",
                    help="LLM's tp_all_reduce: auto = ours where it can run, else NCCL")
     p.add_argument("--no-gpu-clocks", action="store_true",
                    help="do not poll nvidia-smi for the GPU's clocks and power during the run")

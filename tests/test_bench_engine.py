@@ -128,7 +128,7 @@ def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):
 
 
 def test_engine_settings_flags():
-    """--no-overlap-steps / --tp-all-reduce reach LLM only when they differ from its defaults."""
+    """--no-overlap-steps / --tp-all-reduce reach LLM as overlap_steps / tp_all_reduce."""
     bench = _bench_engine()
     seen = {}
 
@@ -140,7 +140,7 @@ def test_engine_settings_flags():
     bench.LLM = FakeLLM
     with pytest.raises(RuntimeError, match="stop"):
         bench.main(["--size", "demo", "--batch1", "--no-gpu-clocks"])
-    assert "overlap_steps" not in seen and "tp_all_reduce" not in seen
+    assert seen["overlap_steps"] is True and seen["tp_all_reduce"] == "auto"
     with pytest.raises(RuntimeError, match="stop"):
         bench.main(["--size", "demo", "--batch1", "--no-gpu-clocks", "--no-overlap-steps",
                     "--tp-all-reduce", "nccl"])

@@ -171,7 +171,8 @@ class BlockManager:
             seq.table_row = -1
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0  # (num_cached_tokens stays: the last admission's hit, for stats)
+        # (num_cached_tokens stays: the last admission's hit, for stats)
+        seq.num_computed_tokens = 0
 
     # ---- the block-table mirror --------------------------------------------------------------
 

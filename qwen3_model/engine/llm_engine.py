@@ -60,7 +60,8 @@ class LLMEngine:
         known = set(Config.field_names()) - {"model"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"LLM: unknown argument(s) {unknown}; expected some of: {sorted(known)}")
+            raise ValueError(f"LLM: unknown argument(s) {unknown}; expected some of: "
+                             f"{sorted(known)}")
         config = Config(model, **kwargs)
         self.config = config
         self._workers: list = []
@@ -197,7 +198,8 @@ class LLMEngine:
                     if not 0 <= t < vocab:
                         bad(f"token id {t} at position {j} is outside the vocabulary [0, {vocab})")
             else:
-                bad(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+                bad(f"a prompt must be a string or a list of token ids, got "
+                    f"{type(prompt).__name__}")
             if not ids:
                 bad("empty prompt")
             if len(ids) >= max_len:
@@ -334,20 +336,23 @@ class LLMEngine:
                 if pbar is not None:
                     # exponential moving averages of this step's prefill and decode rates
                     if n_prefill:
-                        pre_tps = 0.7 * pre_tps + 0.3 * n_prefill / dt if pre_tps else n_prefill / dt
+                        rate = n_prefill / dt
+                        pre_tps = 0.7 * pre_tps + 0.3 * rate if pre_tps else rate
                     if n_decode:
                         dec_tps = 0.7 * dec_tps + 0.3 * n_decode / dt if dec_tps else n_decode / dt
                     pbar.update(sum(1 for s in got if s.is_finished) if every_seq
                                 else len(finished))
                     if t1 - last_shown > 0.2:
-                        pbar.set_postfix_str(f"prefill {pre_tps:,.0f} tok/s, decode {dec_tps:,.0f} tok/s")
+                        pbar.set_postfix_str(f"prefill {pre_tps:,.0f} tok/s, "
+                                             f"decode {dec_tps:,.0f} tok/s")
                         last_shown = t1
         finally:
             self.scheduler.abort_all()  # no-op when everything finished
             if pbar is not None:
                 pbar.close()
 
-    def stream(self, prompts, sampling_params=None, use_tqdm: bool = False) -> Iterator[StreamDelta]:
+    def stream(self, prompts, sampling_params=None,
+               use_tqdm: bool = False) -> Iterator[StreamDelta]:
         """Yield a StreamDelta per request per step that produced tokens, as they come."""
         sent: dict[int, int] = {}
         for seq, state in (x for step in self._stream(prompts, sampling_params, use_tqdm, True)

@@ -142,7 +142,8 @@ class ModelRunner(StepInputs, CudaGraphs):
             m.k_cache = m.v_cache = torch.tensor([])
         # One tensor for all layers: a single allocation, sliced (views) per layer.
         self.kv_cache = torch.zeros(
-            2, len(self.attn_modules), num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            2, len(self.attn_modules), num_blocks, self.block_size, self.num_kv_heads,
+            self.head_dim,
             dtype=self.config.torch_dtype, device=self.device,
         )
         for i, m in enumerate(self.attn_modules):
@@ -227,7 +228,8 @@ class ModelRunner(StepInputs, CudaGraphs):
             from qwen3_model.sampling_params import SamplingParams
 
             worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)
-            batch = SamplingBatch.build([worst] * rows, [0] * rows, [[]] * rows, self.vocab_size, dev)
+            batch = SamplingBatch.build([worst] * rows, [0] * rows, [[]] * rows, self.vocab_size,
+                                        dev)
             self.sampler(logits, batch)
         del hidden, logits
 
@@ -236,7 +238,8 @@ class ModelRunner(StepInputs, CudaGraphs):
                   bucket: int | None) -> torch.Tensor:
         """-> hidden [T, hidden] (a view of the graph's output buffer when replayed)."""
         if bucket is None:
-            pw_bucket = None if self.piecewise is None else self.piecewise.bucket(input_ids.shape[0])
+            pw = self.piecewise
+            pw_bucket = None if pw is None else pw.bucket(input_ids.shape[0])
             if pw_bucket is not None:
                 return self.piecewise.run(input_ids, positions, ctx, pw_bucket)
             set_context(ctx)

@@ -1,11 +1,12 @@
 """Piecewise CUDA graphs for mixed steps (prompt chunks + decodes): everything but the attention.
 
 Why: a mixed step of a few hundred tokens runs eagerly, and launching its ~400 kernels one op at
-a time takes the host ~9 ms at Qwen3-8B, about as long as the kernels take (RESULTS.md,
-2026-12-02), so the host sets the pace of such steps. The attention cannot be captured once for
-all such steps (its grids follow the number of prompt chunks, their lengths and the decodes), but
-everything between two attentions only depends on the token count: the projections, the norms,
-qk_norm_rope with its cache write (rows past the step's tokens write nowhere: slot -1), the MLP.
+a time takes the host ~9 ms at Qwen3-8B, about as long as the kernels take (a mixed step in
+``benchmarks/bench_engine.py --size 8B --profile``), so the host sets the pace of such steps. The
+attention cannot be captured once for all such steps (its grids follow the number of prompt
+chunks, their lengths and the decodes), but everything between two attentions only depends on
+the token count: the projections, the norms, qk_norm_rope with its cache write (rows past the
+step's tokens write nowhere: slot -1), the MLP.
 
 So for each bucket of token counts (multiples of ``step`` up to ``max_tokens``) the model's forward
 is captured as num_layers + 1 graphs, cut at each layer's attention: graph i runs from after

@@ -95,7 +95,8 @@ class Scheduler:
         policy: str = "fcfs",
     ):
         if policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+            raise ValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {policy!r}")
         self.longest_first = policy == "longest_first"
         self._waiting_sorted = True  # longest_first: whether ``waiting`` is in admission order
         self.max_num_seqs = max_num_seqs

@@ -319,9 +319,10 @@ class StepInputs:
             ctx.decode_block_tables = t["block_tables"][:D]
         elif D:
             ctx.decode_seq_lens = t["decode_seq_lens"]
-            # Full width, as in the decode graphs: the split-KV count is chosen from the table width,
-            # so eager and replayed decode then sum in the same order and give identical tokens
-            # (measured: a narrower eager table changed a greedy token after 37 steps, H200).
+            # Full width, as in the decode graphs: the split-KV count is chosen from the table
+            # width, so eager and replayed decode then sum in the same order and give identical
+            # tokens (measured: a narrower eager table changed a greedy token after 37 steps,
+            # H200).
             ctx.decode_block_tables = t["decode_block_tables"]
         if D and self.workspace is not None:
             ctx.decode_workspace = self.workspace[:D]

@@ -29,9 +29,9 @@ from qwen3_model.engine.model_runner import ModelRunner
 # "exit" and kill any that has not gone within _JOIN_TIMEOUT_S. A failed step on any rank (a worker
 # that raised or was killed, an exception or KeyboardInterrupt on rank 0) kills the workers at once:
 # some rank is then mid-step and the ranks cannot agree on what runs next. A worker that loses
-# rank 0 (its pipe closes, or a collective finds the peer gone) exits by itself. Every wait of rank 0
-# on a worker checks the worker is alive; a worker's death reaches a blocked gloo collective as a
-# "connection closed" error at once.
+# rank 0 (its pipe closes, or a collective finds the peer gone) exits by itself. Every wait of
+# rank 0 on a worker checks the worker is alive; a worker's death reaches a blocked gloo
+# collective as a "connection closed" error at once.
 
 _TP_TIMEOUT = timedelta(minutes=10)  # a rank that hangs (alive) shows up as a collective timing out
 _JOIN_TIMEOUT_S = 10.0  # close(): how long a worker gets to leave cleanly before it is killed
@@ -230,7 +230,8 @@ def stop_workers(workers: list, owns_group: bool, graceful: bool = True,
 
 
 _ABORT_LOCK = threading.Lock()
-_ABORT_THREAD: list = [None]  # the abort in flight (or done), shared by the watch and the main thread
+# the abort in flight (or done), shared by the watch and the main thread
+_ABORT_THREAD: list = [None]
 # How long a failing engine waits for NCCL's abort before it raises anyway. On two H200s with CUDA
 # graphs (torch 2.11, NCCL P2P/CUMEM), the abort of a communicator whose captured all-reduce waits
 # for a killed peer does not return while those graphs are alive; the engine drops its graphs
@@ -260,9 +261,10 @@ def abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
 
             def run():
                 try:
-                    close_collectives()  # see qwen3_model.distributed: no eager call meets the abort
+                    # see qwen3_model.distributed: no eager call meets the abort
+                    close_collectives()
                     abort()
-                except Exception:  # noqa: BLE001 - the caller raises the error that names the dead worker
+                except Exception:  # noqa: BLE001 - the caller's error names the dead worker
                     pass
 
             thread = threading.Thread(target=run, daemon=True, name="qwen3-nccl-abort")

@@ -57,7 +57,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         Every rank must call it (the gather is collective). The engine keeps the model's dtype:
         its sampler reads bf16 / fp16 logits directly, and the fp32 copy of [256, 151936] logits
-        cost 116 us of a 14 ms Qwen3-8B decode step (RESULTS.md, 2026-11-30 evening profile).
+        cost 116 us of a 14 ms Qwen3-8B decode step
+        (``benchmarks/bench_engine.py --size 8B --profile --num-seqs 256``).
         """
         logits = linear(hidden, self.weight)  # [N, vocab / tp]
         logits = gather_to_rank0(logits, dim=-1)

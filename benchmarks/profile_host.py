@@ -146,7 +146,7 @@ def run_workload(block_size: int, args, profile: cProfile.Profile | None = None)
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
-                  **({"overlap_steps": False} if args.no_overlap_steps else {}))
+                  overlap_steps=not args.no_overlap_steps)
     timers = Timers()
     build = fake_forward(llm, timers)
     try:

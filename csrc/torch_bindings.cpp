@@ -38,7 +38,7 @@ int num_sms(const at::Tensor& like) {
   return n;
 }
 
-// ---- silu_and_mul / rms_norm / fused_add_rms_norm ------------------------------------------------
+// ---- silu_and_mul / rms_norm / fused_add_rms_norm -----------------------------------------------
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   const char* op = "silu_and_mul";
@@ -74,7 +74,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
                op);
 }
 
-// ---- qk_norm_rope ---------------------------------------------------------------------------------
+// ---- qk_norm_rope -------------------------------------------------------------------------------
 
 void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_norm_weight,
                   const at::Tensor& k_norm_weight, const at::Tensor& cos_sin_cache,
@@ -96,7 +96,7 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
                op);
 }
 
-// ---- paged attention ------------------------------------------------------------------------------
+// ---- paged attention ----------------------------------------------------------------------------
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -136,7 +136,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
                op);
 }
 
-// ---- linear ---------------------------------------------------------------------------------------
+// ---- linear -------------------------------------------------------------------------------------
 
 // kernels/gemm/linear.cu picks the kernel from the shape; where it picks cuBLAS (or the GPU is
 // not sm_90) this runs at::mm_out: the same result, so the op works wherever the extension loads.
@@ -182,7 +182,7 @@ void linear_silu_and_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor&
                op);
 }
 
-// ---- sample_tokens --------------------------------------------------------------------------------
+// ---- sample_tokens ------------------------------------------------------------------------------
 
 void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperatures,
                    const at::Tensor& seed_keys) {

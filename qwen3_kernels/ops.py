@@ -111,10 +111,10 @@ def trusted_inputs():
 
     For a caller that builds every argument itself from tensors it owns, and whose calls the
     tests run with the checks on: the engine's eager steps on CUDA. There the checks are ~35
-    helper calls a layer, about a third of the host's time per step (2026-12-02 profile: an
-    eager Qwen3-8B step of ~320 tokens took the host ~11 ms for ~7-10 ms of kernels). Not for
-    anything that takes tensors from users: a wrong shape here is an out-of-bounds access, not
-    a ValueError.
+    helper calls a layer, about a third of the host's time per step (a profile of an eager
+    Qwen3-8B step of ~320 tokens: the host took ~11 ms for ~7-10 ms of kernels; python
+    benchmarks/profile_host.py). Not for anything that takes tensors from users: a
+    wrong shape here is an out-of-bounds access, not a ValueError.
     """
     global _CHECKS
     previous, _CHECKS = _CHECKS, False

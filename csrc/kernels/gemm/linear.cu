@@ -15,10 +15,11 @@
 //     larger column of the table; its shapes were never measured, so it now runs cuBLAS. No other
 //     Qwen3 projection has one of the six (N, K).
 //
-// The table: measured on the H200 by python benchmarks/bench_linear.py's configs sweep (bf16;
+// The table: measured on the H200 by the configs sweep of benchmarks/bench_qkv_gemm.py (bf16;
 // every configuration on every Qwen3 QKV shape at T = 1, 8, 16, 32, 64, ..., 16384), then each
-// cell's winner against cuBLAS (torch.matmul) on the same inputs; where cuBLAS was faster the cell
-// says CB. Ours stayed where it measured >= 1.0x: split-K at M = 2..8 for 14B (1.06x), the
+// cell's winner against cuBLAS (torch.matmul) on the same inputs (the sweep, which forced each
+// configuration, is on branch experiment/kernel-launch-variants); where cuBLAS was faster the
+// cell says CB. Ours stayed where it measured >= 1.0x: split-K at M = 2..8 for 14B (1.06x), the
 // 128x128 tile at M = 1024 for 14B / 32B (1.12x / 1.02x) and at M = 2048 for 4B / 8B (1.03x /
 // 1.12x), the 128x256 tile at M = 16384 for 0.6B / 8B (1.00x / 1.01x). fp16 uses the bf16 cells.
 // The winner at a row's max_m covers every M between the previous row and it.

@@ -10,17 +10,18 @@
 //     loads in flight per thread at all times. The loads bypass L1 (ld.global.nc.L1::no_allocate),
 //     which exists on sm_80 too, so the kernel builds there.
 //   - L2 fetches the sectors asked for: asking it for 256-byte lines (.L2::256B) was slower.
-//     Qwen3-8B at one token, 36 layers of
-//     weights rotated, PDL launches as in the engine's graphs (H200, us): gate_up +
-//     silu 52.37 -> 50.20, down 26.20 -> 25.63, qkv 14.12 -> 13.51, o_proj 10.26 -> 10.10, a
-//     layer's six launches 106.8 -> 102.5 (python benchmarks/bench_linear.py). One row a warp
+//     Qwen3-8B at one token, 36 layers of weights rotated, PDL launches as in the engine's
+//     graphs (H200, us): gate_up + silu 52.37 -> 50.20, down 26.20 -> 25.63, qkv 14.12 ->
+//     13.51, o_proj 10.26 -> 10.10, a layer's six launches 106.8 -> 102.5 (python
+//     benchmarks/bench_linear.py). One row a warp
 //     with 8 loads a stage, faster in plain launches of a read probe (branch
 //     experiment/one-off-probes), was far slower there: down 33.5, o_proj 13.8.
 //   - Many small CTAs (4 warps, 4 * R rows): N / (4 R) = 256..5120 CTAs for the Qwen3 shapes,
 //     several per SM, and the block scheduler balances them dynamically (nothing waits on a wave).
-//   - x is read through L1 with __ldg, not staged in shared memory. Every warp of every CTA on an SM reads the same columns at about the
-//     same time, and L1 is shared by all the SM's CTAs, whereas a shared-memory copy would be
-//     fetched from L2 once per CTA. L1 and shared memory share one data path, so nothing is lost on hits.
+//   - x is read through L1 with __ldg, not staged in shared memory. Every warp of every CTA on
+//     an SM reads the same columns at about the same time, and L1 is shared by all the SM's
+//     CTAs, whereas a shared-memory copy would be fetched from L2 once per CTA. L1 and shared
+//     memory share one data path, so nothing is lost on hits.
 //   - fp32 accumulators acc[row] per lane, summed across the warp with shuffles at the end.
 //
 // The launch, on sm_90: programmatic dependent launch with each thread's first stage of weight

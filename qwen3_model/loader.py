@@ -33,10 +33,12 @@ def load_hf_config(path: str | os.PathLike):
     """Read and check ``path/config.json``; returns a transformers ``Qwen3Config``."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist or is not a directory")
+        raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist or is not a "
+                              "directory")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"no config.json in {str(path)!r}: expected a Hugging Face checkpoint folder")
+        raise CheckpointError(f"no config.json in {str(path)!r}: expected a Hugging Face "
+                              "checkpoint folder")
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
@@ -45,7 +47,8 @@ def load_hf_config(path: str | os.PathLike):
     archs = raw.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
-            f"{config_file}: model_type is {model_type!r}, expected 'qwen3' (architectures: {archs}); "
+            f"{config_file}: model_type is {model_type!r}, expected 'qwen3' "
+            f"(architectures: {archs}); "
             "only dense Qwen3 checkpoints are supported"
         )
     if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
@@ -75,14 +78,16 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        others = (sorted(p.name for p in path.glob("*.bin"))
+                  + sorted(p.name for p in path.glob("*.pt")))
         hint = f" (found {others}: only safetensors is supported)" if others else ""
         raise CheckpointError(f"no *.safetensors files in {str(path)!r}{hint}")
     return files
 
 
 def _target(name: str, packed: dict) -> tuple[str, object]:
-    """Checkpoint tensor name -> (our parameter name, shard id or None), via packed_modules_mapping."""
+    """Checkpoint tensor name -> (our parameter name, shard id or None), via
+    packed_modules_mapping."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in packed:
@@ -108,8 +113,8 @@ def _checkpoint_names(param_name: str, shard_ids, packed: dict) -> list[str]:
 def load_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Fill every parameter of ``model`` from the safetensors in ``path`` (this rank's slices).
 
-    Errors (CheckpointError, naming the tensor): a tensor the model has no place for, a tensor of the
-    wrong shape, a tensor found twice, a parameter the checkpoint does not provide.
+    Errors (CheckpointError, naming the tensor): a tensor the model has no place for, a tensor of
+    the wrong shape, a tensor found twice, a parameter the checkpoint does not provide.
     With tied embeddings a stored ``lm_head.weight`` is skipped: the head reads the embedding.
     """
     from safetensors import safe_open
@@ -127,27 +132,31 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                 if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
                 if name in seen:
-                    raise CheckpointError(f"tensor {name!r} appears twice: in {seen[name]} and {file.name}")
+                    raise CheckpointError(f"tensor {name!r} appears twice: in {seen[name]} and "
+                                          f"{file.name}")
                 seen[name] = file.name
                 pname, shard_id = _target(name, packed)
                 param = params.get(pname)
                 if param is None:
                     raise CheckpointError(
-                        f"unexpected tensor {name!r} in {file.name}: the model has no parameter {pname!r} "
+                        f"unexpected tensor {name!r} in {file.name}: the model has no "
+                        f"parameter {pname!r} "
                         "(is this a Qwen3 dense checkpoint matching config.json?)"
                     )
                 loader = getattr(param, "weight_loader", None)
                 if shard_id is None and getattr(param, "shard_ids", None):
                     raise CheckpointError(
                         f"tensor {name!r} in {file.name}: {pname!r} is fused from "
-                        f"{_checkpoint_names(pname, set(param.shard_ids), packed)}; expected those tensors"
+                        f"{_checkpoint_names(pname, set(param.shard_ids), packed)}; "
+                        "expected those tensors"
                     )
                 tensor = f.get_tensor(name)
                 try:
                     if shard_id is None:
                         if loader is None:
                             if tuple(tensor.shape) != tuple(param.shape):
-                                raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                                raise ValueError(f"expected shape {tuple(param.shape)}, "
+                                                 f"got {tuple(tensor.shape)}")
                             param.data.copy_(tensor)
                         else:
                             loader(param, tensor)
@@ -165,5 +174,7 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
         for ckpt in _checkpoint_names(pname, shards - {None}, packed)
     ]
     if missing:
-        shown = ", ".join(repr(m) for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s): {shown}")
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        shown = ", ".join(repr(m) for m in missing[:8]) + more
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s): "
+                              f"{shown}")

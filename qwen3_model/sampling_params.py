@@ -3,8 +3,9 @@
     SamplingParams(temperature=0.0, max_tokens=64)                 # greedy
     SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
 
-Every field is checked when the object is built (and again by ``LLM.generate``, in case a field was
-changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was expected.
+Every field is checked when the object is built (and again by ``LLM.generate``, in case a field
+was changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was
+expected.
 """
 
 from __future__ import annotations

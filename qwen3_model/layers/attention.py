@@ -45,7 +45,8 @@ class Attention(nn.Module):
                 "before the first forward"
             )
         if ctx.slot_mapping is None:
-            raise RuntimeError("no attention Context is set: call qwen3_model.utils.context.set_context first")
+            raise RuntimeError("no attention Context is set: call "
+                               "qwen3_model.utils.context.set_context first")
         q = qwen3_kernels.qk_norm_rope(
             qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, self.k_cache, self.v_cache,
             ctx.slot_mapping, self.num_heads, self.num_kv_heads, self.eps, q_out=ctx.attn_q,
@@ -72,7 +73,8 @@ class Attention(nn.Module):
         if q.shape[0] > n_pre:
             if ctx.decode_seq_lens is None:
                 raise RuntimeError(
-                    f"the step has {q.shape[0] - n_pre} tokens after the {n_pre} prefill tokens but the "
+                    f"the step has {q.shape[0] - n_pre} tokens after the {n_pre} prefill tokens "
+                    "but the "
                     "Context has no decode_seq_lens / decode_block_tables"
                 )
             qwen3_kernels.paged_attention_decode(

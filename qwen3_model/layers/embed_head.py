@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen3_model.distributed import all_reduce, divide, gather_to_rank0, get_tp_rank, get_tp_world_size
+from qwen3_model.distributed import (all_reduce, divide, gather_to_rank0, get_tp_rank,
+                                     get_tp_world_size)
 from qwen3_model.layers.linear import check_loaded_shape, linear
 
 

@@ -2,11 +2,11 @@
 
 Qwen3 uses neox-style RoPE (HF ``rotate_half``) with rope_theta 1e6. Checkpoints extended to long
 contexts use YaRN (``"rope_type": "yarn"``); linear position interpolation is cheap to support too.
-Types whose frequencies depend on the running sequence length (dynamic NTK, longrope) cannot live in
-one precomputed table and get a clear error.
+Types whose frequencies depend on the running sequence length (dynamic NTK, longrope) cannot live
+in one precomputed table and get a clear error.
 
-The parameters come from ``config.rope_parameters`` (transformers >= 5) or from ``config.rope_theta``
-+ ``config.rope_scaling`` (older versions).
+The parameters come from ``config.rope_parameters`` (transformers >= 5) or from
+``config.rope_theta`` + ``config.rope_scaling`` (older versions).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def _yarn_inv_freq(head_dim: int, theta: float, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(head_dim: int, theta: float, params: dict,
+                   max_position: int) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv 2309.00071): keep high-frequency dims (many rotations over the original context)
     as they are, interpolate low-frequency dims by ``factor``, blend linearly in between; scale
     cos / sin by the attention factor 0.1 * ln(factor) + 1."""
@@ -48,7 +49,8 @@ def _yarn_inv_freq(head_dim: int, theta: float, params: dict, max_position: int)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+        attention_factor = (mscale(factor, m) / mscale(factor, m_all) if (m and m_all)
+                            else mscale(factor))
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 
@@ -62,8 +64,10 @@ def _yarn_inv_freq(head_dim: int, theta: float, params: dict, max_position: int)
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    base_freq = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
+    even = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+    base_freq = theta ** (even / head_dim)
     keep = 1.0 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (frequency / factor)
     inv_freq = (1.0 / (factor * base_freq)) * (1.0 - keep) + (1.0 / base_freq) * keep
     return inv_freq, float(attention_factor)
@@ -77,12 +81,14 @@ def rope_inv_freq(head_dim: int, params: dict, max_position: int) -> tuple[torch
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
+            f"rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); "
             "types whose frequencies change with the sequence length cannot use a precomputed table"
         )
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, params, max_position)
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    even = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+    inv_freq = 1.0 / theta ** (even / head_dim)
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
     return inv_freq, 1.0

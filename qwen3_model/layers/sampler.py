@@ -1,4 +1,5 @@
-"""Batched token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batched token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request
+seeds.
 
 Everything is tensor work over the whole batch; the only host sync is the caller reading the
 sampled ids once per step. Which filters run is decided on the host from the requests' settings
@@ -55,7 +56,8 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [N] fp32, None when no row filters by p
     min_p: torch.Tensor | None  # [N] fp32, None when no row filters by min-p
     seeded_rows: torch.Tensor | None  # [R] int64 rows that have a seed
-    seed_keys: torch.Tensor | None  # [R, 3] int64: seed lo 32 bits, seed hi 32 bits, output position
+    # [R, 3] int64: seed lo 32 bits, seed hi 32 bits, output position
+    seed_keys: torch.Tensor | None
     banned_rows: torch.Tensor | None  # [K] int64, with banned_ids: logits set to -inf
     banned_ids: torch.Tensor | None  # [K] int64
     all_greedy: bool = False

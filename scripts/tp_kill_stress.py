@@ -57,8 +57,10 @@ def run_once(path: str, allreduce: str, kill_at: int) -> tuple[bool, float, str]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="nccl,custom", help="LLM(tp_all_reduce=...) values, comma-separated")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="nccl,custom",
+                   help="LLM(tp_all_reduce=...) values, comma-separated")
     p.add_argument("--per-mode", type=int, default=2, help="runs of each mode in one wave")
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--kill-at", default="1,2,3,6", help="streamed items to kill at, cycled through")

@@ -1,5 +1,7 @@
 // Warp-level PTX wrappers shared by the tensor-core attention kernels (decode.cu, prefill.cu,
-// prefill_sm90.cu): cp.async 16-byte copies, ldmatrix, mma.sync m16n8k16 (sm_80+), packing.
+// prefill_sm90_ws.cu): cp.async 16-byte copies, ldmatrix, mma.sync m16n8k16 (sm_80+), packing;
+// and, below, the sm_90a wrappers (wgmma, mbarriers, named barriers, setmaxnreg): the only ones in
+// csrc (the CUTLASS GEMMs issue their own).
 #pragma once
 
 #include "qwen3_kernels/common.cuh"
@@ -92,7 +94,7 @@ namespace sm90 {
 
 // wgmma shared-memory matrix descriptor for a tile in the 128-byte-swizzle layout: start address,
 // leading and stride byte offsets (16-byte units), layout type 1 (bits 62-63), base offset 0
-// (tiles are 1 KiB aligned). Same encoding as the one prefill_sm90.cu validated on the H200.
+// (tiles are 1 KiB aligned; k-step advances stay inside a 128-byte row).
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo_bytes,
                                                uint32_t sbo_bytes) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
@@ -170,37 +172,6 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t des
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 }
-
-// d[64 x 64] (+)= A[64 x 16] * B[16 x 64], both K-major by descriptor (linear_stream.cu at
-// <= 64 tokens); scale_d = 0 ignores the old d.
-#define QWEN3_WGMMA_D32                                                                            \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),         \
-  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),       \
-  "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),       \
-  "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define QWEN3_WGMMA_D32_LIST                                                                       \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
-                                                   uint64_t desc_b, int scale_d) {
-  if constexpr (WgmmaType<T>::kBf16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " QWEN3_WGMMA_D32_LIST
-                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : QWEN3_WGMMA_D32
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " QWEN3_WGMMA_D32_LIST
-                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : QWEN3_WGMMA_D32
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-}
-#undef QWEN3_WGMMA_D32
-#undef QWEN3_WGMMA_D32_LIST
 
 // d[64 x 128] += A[64 x 16] * B[16 x 128]; A from registers (the mma.sync A fragment layout),
 // B by descriptor, MN-major (transposed).

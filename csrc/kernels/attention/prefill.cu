@@ -92,20 +92,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   const int ld_chunk = tid & 15;
   const int ld_row = tid >> 4;
 
-  // Q tile: packed row r -> token (row0 + r) / group, head kv_head * group + (row0 + r) % group.
-  const T* q = static_cast<const T*>(p.q);
-#pragma unroll
-  for (int i = 0; i < kBlockM / kLoadRowsPerPass; ++i) {
-    const int r = ld_row + i * kLoadRowsPerPass;
-    const int pr = row0 + r;
-    const bool valid = pr < rows;
-    const int token = pr / group;
-    const int head = kv_head * group + (pr - token * group);
-    const T* src = valid ? q + ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim +
-                               ld_chunk * 8
-                         : q;
-    cp_async_16(s_q + swizzle(r, ld_chunk), src, valid);
-  }
+  // Q tile (packed rows row0 ..), fully unrolled.
+  load_q_tile<T, kBlockM, kLoadRowsPerPass, kBlockM / kLoadRowsPerPass>(
+      p, s_q, q_start, kv_head, group, row0, rows, ld_row, ld_chunk,
+      [&](int r) { return swizzle(r, ld_chunk); });
 
   // K/V rows: key j lives in cache block table[j / block_size] at slot j % block_size.
   const int64_t slot_stride = (int64_t)p.num_kv_heads * kHeadDim;  // elements between slots
@@ -167,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 #pragma unroll
   for (int j = 0; j < kHeadDim / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};  // raw (unscaled) score max of each row
-  float row_sum[2] = {0.f, 0.f};              // this lane's partial sum; the quad is summed at the end
+  float row_sum[2] = {0.f, 0.f};              // this lane's part; the quad is summed at the end
 
   for (int n = 0; n < n_tiles; ++n) {
     const uint32_t stage_off = (n & 1) * kTileBytes;
@@ -190,50 +180,22 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       for (int kn = 0; kn < kBlockN / 16; ++kn) {
         // Matrices: keys 0-7 | d lo, keys 0-7 | d hi, keys 8-15 | d lo, keys 8-15 | d hi.
         uint32_t kf[4];
-        ldmatrix_x4(kf, s_k + stage_off +
-                            swizzle(kn * 16 + (lane & 7) + (lane_hi << 3), 2 * kk + ((lane >> 3) & 1)));
+        ldmatrix_x4(kf, s_k + stage_off + swizzle(kn * 16 + (lane & 7) + (lane_hi << 3),
+                                                  2 * kk + ((lane >> 3) & 1)));
         mma_16816<T>(s[2 * kn], q_frag[kk], kf[0], kf[1]);
         mma_16816<T>(s[2 * kn + 1], q_frag[kk], kf[2], kf[3]);
       }
     }
 
-    if (n >= n_full) {  // a tile on the diagonal (or past the sequence's last key)
+    // Mask (tiles on the diagonal), online softmax, and the rescale of what has been accumulated.
+    softmax_step<kBlockN / 8>(reinterpret_cast<float(&)[kBlockN / 2]>(s), n, n_full, pos, t4,
+                              p.scale_log2, row_max, row_sum, [&](int h, float alpha) {
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n * kBlockN + j * 8 + 2 * t4 + (e & 1);
-          if (key > pos[e >> 1]) s[j][e] = -INFINITY;
-        }
-      }
-    }
-
-    // Online softmax: new row max over the quad, rescale what has been accumulated.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
-      // exp2(-inf - (-inf)) from turning into NaN.
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      const float alpha = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
-      row_max[h] = mx;
-      row_sum[h] *= alpha;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        o[j][2 * h] *= alpha;
-        o[j][2 * h + 1] *= alpha;
-      }
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], p.scale_log2, -m_scaled));
-        s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], p.scale_log2, -m_scaled));
-        row_sum[h] += s[j][2 * h] + s[j][2 * h + 1];
-      }
-    }
+                                for (int j = 0; j < kHeadDim / 8; ++j) {
+                                  o[j][2 * h] *= alpha;
+                                  o[j][2 * h + 1] *= alpha;
+                                }
+                              });
 
     // The accumulator layout of two adjacent n8 tiles of S is the A fragment of a k16 step.
     uint32_t p_frag[kBlockN / 16][4];
@@ -267,13 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 
   // Normalise in fp32; a row with no visible key (only possible for invalid inputs) writes 0.
   float inv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = row_sum[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
-  }
+  inverse_row_sums(row_sum, inv);
 
   // Stage the warp's 16 output rows in its own Q rows (only this warp ever read them), then
   // write whole 256-byte rows with 16-byte stores.
@@ -294,13 +250,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     const int r = warp * 16 + (idx >> 4);
     const int chunk = idx & 15;
     const int pr = row0 + r;
-    if (pr < rows) {
-      const int token = pr / group;
-      const int head = kv_head * group + (pr - token * group);
-      *reinterpret_cast<uint4*>(out + ((int64_t)(q_start + token) * p.num_q_heads + head) *
-                                          kHeadDim + chunk * 8) =
-          *reinterpret_cast<const uint4*>(smem + swizzle(r, chunk));
-    }
+    if (pr < rows)
+      store_out_chunk(p, out, q_start, kv_head, group, pr, chunk,
+                      [&] { return smem + swizzle(r, chunk); });
   }
 }
 

@@ -26,6 +26,121 @@ struct PrefillParams {
   float scale_log2;             // softmax scale * log2(e): scores go straight into exp2
 };
 
+// ---- PTX wrappers -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- the kernels' shared steps (inlined: the same instructions as when written out in place) ----
+
+// Element offset in q / out [Tq, Hq, D] of packed row pr of a (sequence, kv head) tile: query
+// token pr / group of the sequence (whose first token is q_start), q head kv_head * group +
+// pr % group.
+__device__ __forceinline__ int64_t packed_row_offset(const PrefillParams& p, int q_start,
+                                                     int kv_head, int group, int pr) {
+  const int token = pr / group;
+  const int head = kv_head * group + (pr - token * group);
+  return ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim;
+}
+
+// Issues the cp.async copies of a Q tile: packed rows row0 .. row0 + kTileRows - 1 (rows past
+// `rows` are zero-filled). This thread copies 16-byte chunk ld_chunk of tile rows ld_row +
+// kRowsPerPass i, to s_q + dst_offset(r) for tile row r (each kernel has its own swizzle).
+// kUnroll: unroll factor of the loop over the kTileRows / kRowsPerPass rows.
+template <typename T, int kTileRows, int kRowsPerPass, int kUnroll, typename DstOffset>
+__device__ __forceinline__ void load_q_tile(const PrefillParams& p, uint32_t s_q, int q_start,
+                                            int kv_head, int group, int row0, int rows,
+                                            int ld_row, int ld_chunk, DstOffset dst_offset) {
+  const T* q = static_cast<const T*>(p.q);
+#pragma unroll kUnroll
+  for (int i = 0; i < kTileRows / kRowsPerPass; ++i) {
+    const int r = ld_row + i * kRowsPerPass;
+    const int pr = row0 + r;
+    const bool valid = pr < rows;
+    const int token = pr / group;
+    const int head = kv_head * group + (pr - token * group);
+    const T* src = valid ? q + ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim +
+                               ld_chunk * 8
+                         : q;
+    cp_async_16(s_q + dst_offset(r), src, valid);
+  }
+}
+
+// Copies 16-byte chunk `chunk` of a staged output row (at staged(), in shared memory) to packed row
+// pr of out: the last step of the kernels that stage their output tile in shared memory.
+template <typename T, typename Staged>
+__device__ __forceinline__ void store_out_chunk(const PrefillParams& p, T* out, int q_start,
+                                                int kv_head, int group, int pr, int chunk,
+                                                Staged staged) {
+  const int token = pr / group;
+  const int head = kv_head * group + (pr - token * group);
+  *reinterpret_cast<uint4*>(out + ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim +
+                            chunk * 8) = *reinterpret_cast<const uint4*>(staged());
+}
+
+// One online-softmax step over key tile n (kTiles * 8 keys from n * kTiles * 8) of this lane's two
+// rows h = 0, 1 (rows g and g + 8 of its warp's 16). s: the tile's scores in the mma accumulator
+// layout, s[4 j + e] = row g + 8 (e >> 1), key 8 j + 2 t4 + (e & 1); on return, P (unnormalised,
+// base 2, scale folded into one FMA). Tiles from n_full on reach the diagonal: keys past a row's
+// absolute position pos[h] are masked. row_max holds raw (unscaled) score maxima, row_sum this
+// lane's part of the sums (the quad is summed at the end). rescale(h, alpha) is called with the
+// factor for row h's accumulated output as soon as it is known.
+template <int kTiles, typename Rescale>
+__device__ __forceinline__ void softmax_step(float (&s)[4 * kTiles], int n, int n_full,
+                                             const int (&pos)[2], int t4, float scale_log2,
+                                             float (&row_max)[2], float (&row_sum)[2],
+                                             Rescale rescale) {
+  constexpr int kKeys = 8 * kTiles;
+  if (n >= n_full) {  // a tile on the diagonal (or past the sequence's last key)
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n * kKeys + j * 8 + 2 * t4 + (e & 1);
+        if (key > pos[e >> 1]) s[4 * j + e] = -INFINITY;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = row_max[h];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
+    // exp2(-inf - (-inf)) from turning into NaN.
+    const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+    const float alpha = fast_exp2(row_max[h] * scale_log2 - m_scaled);
+    row_max[h] = mx;
+    row_sum[h] *= alpha;
+    rescale(h, alpha);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      float& s0 = s[4 * j + 2 * h];
+      float& s1 = s[4 * j + 2 * h + 1];
+      s0 = fast_exp2(fmaf(s0, scale_log2, -m_scaled));
+      s1 = fast_exp2(fmaf(s1, scale_log2, -m_scaled));
+      row_sum[h] += s0 + s1;
+    }
+  }
+}
+
+// 1 / (row sum) of this lane's two rows, summed over the quad; 0 for a row that saw no key (only
+// possible for invalid inputs), which then writes 0.
+__device__ __forceinline__ void inverse_row_sums(const float (&row_sum)[2], float (&inv)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_sum[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+  }
+}
+
 // Online softmax: scales a warpgroup's 64 x 128 output accumulator (a thread's wgmma fragment
 // o[64]: rows g and g + 8 of its warp, two columns each of 16 n8 tiles) by its rows' alpha.
 __device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha)[2]) {
@@ -36,14 +151,6 @@ __device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha
     o[4 * j + 2] *= alpha[1];
     o[4 * j + 3] *= alpha[1];
   }
-}
-
-// ---- PTX wrappers -----------------------------------------------------------------------------
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Host side of the warp-specialised wgmma kernel (prefill_sm90_ws.cu). sm90_available() is true

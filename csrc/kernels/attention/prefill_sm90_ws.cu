@@ -237,19 +237,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int lk = tile.lk;
       // The previous tile's Q is free once every consumer warp has run its last S.
       if (kPersistent) mbar_wait<true>(bar_q_empty, q_parity ^ 1);
-      const T* q = static_cast<const T*>(p.q);
-#pragma unroll 4
-      for (int i = 0; i < kBlockM / 8; ++i) {
-        const int r = ld_row + 8 * i;
-        const int pr = tile.row0 + r;
-        const bool valid = pr < tile.rows;
-        const int token = pr / group;
-        const int head = tile.kv_head * group + (pr - token * group);
-        const T* src = valid ? q + ((int64_t)(tile.q_start + token) * p.num_q_heads + head) *
-                                       kHeadDim + ld_chunk * 8
-                             : q;
-        cp_async_16(s_q + gmma_offset(r, ld_chunk, kBlockM), src, valid);
-      }
+      load_q_tile<T, kBlockM, 8, 4>(p, s_q, tile.q_start, tile.kv_head, group, tile.row0,
+                                    tile.rows, ld_row, ld_chunk,
+                                    [&](int r) { return gmma_offset(r, ld_chunk, kBlockM); });
       cp_async_mbar_arrive(bar_q);
       q_parity ^= 1;
 
@@ -363,40 +353,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                              desc_sw128(v_slot + kk * (16 * 128), kBlockN * 128, 1024));
   };
   // Masks tile n of the scores if it reaches the diagonal, turns them into P (online softmax,
-  // base 2, scale folded in, -inf rows kept NaN-free; see prefill.cu) and returns in alpha the
-  // factor that rescales what was accumulated before.
+  // prefill_common.cuh) and returns in alpha the factor that rescales what was accumulated before.
   auto softmax = [&](float (&s)[64], int n, float (&alpha)[2]) {
-    if (n >= n_full) {
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n * kBlockN + j * 8 + 2 * t4 + (e & 1);
-          if (key > pos[e >> 1]) s[4 * j + e] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j)
-        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      alpha[h] = fast_exp2(row_max[h] * p.scale_log2 - m_scaled);
-      row_max[h] = mx;
-      row_sum[h] *= alpha[h];
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        float& s0 = s[4 * j + 2 * h];
-        float& s1 = s[4 * j + 2 * h + 1];
-        s0 = fast_exp2(fmaf(s0, p.scale_log2, -m_scaled));
-        s1 = fast_exp2(fmaf(s1, p.scale_log2, -m_scaled));
-        row_sum[h] += s0 + s1;
-      }
-    }
+    softmax_step<kBlockN / 8>(s, n, n_full, pos, t4, p.scale_log2, row_max, row_sum,
+                              [&](int h, float a) { alpha[h] = a; });
   };
   // Two adjacent n8 accumulator tiles form the register A operand of one k16 step.
   auto pack_p = [&](const float (&s)[64], uint32_t (&p_frag)[kBlockN / 16][4]) {
@@ -551,13 +511,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = row_sum[h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv[h] = l > 0.f ? 1.f / l : 0.f;
-    }
+    inverse_row_sums(row_sum, inv);
 
     T* out = static_cast<T*>(p.out);
     if (kPersistent) {
@@ -567,10 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const int pr = tile.row0 + c * 64 + warp * 16 + g + 8 * h;
         if (pr < tile.rows) {
-          const int token = pr / group;
-          const int head = tile.kv_head * group + (pr - token * group);
-          T* dst = out + ((int64_t)(tile.q_start + token) * p.num_q_heads + head) * kHeadDim +
-                   2 * t4;
+          T* dst = out + packed_row_offset(p, tile.q_start, tile.kv_head, group, pr) + 2 * t4;
 #pragma unroll
           for (int j = 0; j < kHeadDim / 8; ++j)
             *reinterpret_cast<uint32_t*>(dst + 8 * j) =
@@ -599,13 +550,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int r = c * 64 + warp * 16 + (idx >> 4);
       const int chunk = idx & 15;
       const int pr = tile.row0 + r;
-      if (pr < tile.rows) {
-        const int token = pr / group;
-        const int head = tile.kv_head * group + (pr - token * group);
-        *reinterpret_cast<uint4*>(out + ((int64_t)(tile.q_start + token) * p.num_q_heads + head) *
-                                            kHeadDim + chunk * 8) =
-            *reinterpret_cast<const uint4*>(smem + gmma_offset(r, chunk, kBlockM));
-      }
+      if (pr < tile.rows)
+        store_out_chunk(p, out, tile.q_start, tile.kv_head, group, pr, chunk,
+                        [&] { return smem + gmma_offset(r, chunk, kBlockM); });
     }
   }
   // Consumer 0's empty last turn: it consumes consumer 1's grant after its last turn.

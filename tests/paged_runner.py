@@ -4,8 +4,8 @@ first, then one token per decoding sequence) and runs the model.
 
 Blocks are handed out in a shuffled order so a sequence's blocks are never contiguous, and unused
 block-table entries are padded with ``pad_block`` (-1 like nano-vllm by default): a model or op that
-reads past a sequence's blocks, or a slot it never wrote (caches start as NaN with ``poison``), shows
-up as NaN or an error instead of a lucky match.
+reads past a sequence's blocks, or a slot it never wrote (caches start as NaN with ``poison``),
+shows up as NaN or an error instead of a lucky match.
 """
 
 from __future__ import annotations
@@ -55,11 +55,13 @@ class PagedRunner:
 
     def step(self, prefills: list[tuple[int, list[int]]] = (), decodes: list[tuple[int, int]] = (),
              split_attention: bool = False):
-        """Run one forward. prefills: (seq id, chunk of token ids) each; decodes: (seq id, token id).
+        """Run one forward. prefills: (seq id, chunk of token ids) each; decodes: (seq id,
+        token id).
 
-        ``split_attention``: as a piecewise CUDA graph step runs it (qwen3_model/engine/piecewise.py):
-        every layer writes q into one shared buffer and leaves its attention to the split hook,
-        which runs ``attend`` on the shared q / output buffers right there.
+        ``split_attention``: as a piecewise CUDA graph step runs it
+        (qwen3_model/engine/piecewise.py): every layer writes q into one shared buffer and leaves
+        its attention to the split hook, which runs ``attend`` on the shared q / output buffers
+        right there.
 
         Returns hidden [T, hidden] and, per prefill then per decode, the row of its last token.
         """
@@ -79,7 +81,8 @@ class PagedRunner:
             slots += self._slots(sid, 1)
             last.append(len(ids) - 1)
         dev, i32 = self.device, torch.int32
-        ctx = Context(slot_mapping=torch.tensor(slots, dtype=i32, device=dev), num_prefill_tokens=cu[-1])
+        ctx = Context(slot_mapping=torch.tensor(slots, dtype=i32, device=dev),
+                      num_prefill_tokens=cu[-1])
         if prefills:
             psids = [s for s, _ in prefills]
             ctx.cu_seqlens_q = torch.tensor(cu, dtype=i32, device=dev)
@@ -105,7 +108,8 @@ class PagedRunner:
             reset_context()
         return hidden, last
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int, first_sid: int = 0) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int,
+               first_sid: int = 0) -> list[list[int]]:
         """Prefill all prompts in one step, then decode them together greedily."""
         sids = list(range(first_sid, first_sid + len(prompts)))
         hidden, last = self.step(prefills=list(zip(sids, prompts)))

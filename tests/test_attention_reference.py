@@ -6,7 +6,8 @@ through shuffled, non-contiguous block tables; the expected outputs come from
 ``F.scaled_dot_product_attention`` on the dense K/V, never from the reference's own gather. Any read
 of a slot past a sequence's end, of a spare block or of an unused block-table entry shows up as NaN.
 
-``make_paged_kv`` / ``sdpa_decode`` / ``sdpa_prefill`` are shared with the CUDA tests and benchmarks.
+``make_paged_kv`` / ``sdpa_decode`` / ``sdpa_prefill`` are shared with the CUDA tests and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -74,13 +75,14 @@ def sdpa_decode(q, ks, vs, scale, dtype=torch.float32):
         qb = q[b].to(dtype)[None, :, None, :]             # [1, Hq, 1, D]
         kb = ks[b].to(q.device, dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
         vb = vs[b].to(q.device, dtype).transpose(0, 1)[None]
-        outs.append(F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)[0, :, 0])
+        out_b = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)
+        outs.append(out_b[0, :, 0])
     return torch.stack(outs)
 
 
 def sdpa_prefill(q, cu_seqlens_q, ks, vs, scale, dtype=torch.float32):
-    """Varlen causal attention, queries aligned to the end of the keys, by torch SDPA with an explicit
-    mask (SDPA's is_causal aligns to the start). q [Tq, Hq, D] -> [Tq, Hq, D]."""
+    """Varlen causal attention, queries aligned to the end of the keys, by torch SDPA with an
+    explicit mask (SDPA's is_causal aligns to the start). q [Tq, Hq, D] -> [Tq, Hq, D]."""
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     cu = cu_seqlens_q.tolist()
     for b in range(len(cu) - 1):
@@ -128,7 +130,8 @@ def test_decode_wrapper_on_cpu_writes_out_and_accepts_a_workspace():
                                                case["block_tables"], case["seq_lens"], 0.1,
                                                out=out, workspace=ws)
     assert res is out and torch.isfinite(out).all()
-    want = sdpa_decode(q.float(), [k.float() for k in case["k"]], [v.float() for v in case["v"]], 0.1)
+    want = sdpa_decode(q.float(), [k.float() for k in case["k"]], [v.float() for v in case["v"]],
+                       0.1)
     assert rel_err(out.float(), want) < 1e-2
 
 
@@ -144,7 +147,8 @@ def test_prefill_reference_vs_dense_sdpa_with_cached_prefixes(hq, hkv):
     # a sequence with no query tokens this step, block-boundary lengths.
     pairs = [(7, 7), (5, 21), (1, 1), (0, 9), (bs, bs + 1), (bs + 1, 2 * bs - 1), (3, 3 * bs)]
     case = make_paged_kv([lk for _, lk in pairs], hkv, bs, seed=hq + hkv)
-    cu = torch.tensor([0] + list(torch.tensor([lq for lq, _ in pairs]).cumsum(0)), dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.tensor([lq for lq, _ in pairs]).cumsum(0)),
+                      dtype=torch.int32)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(int(cu[-1]), hq, D, generator=g) * 2
     scale = 1 / math.sqrt(D)
@@ -206,7 +210,8 @@ _BT = make_paged_kv([5, 20], 2, 16)["block_tables"]
     (dict(out=torch.empty(2, 4, D)), "out must be torch.bfloat16"),
     (dict(out=torch.empty(2, 4, 64, dtype=torch.bfloat16)), "out must have shape"),
     (dict(workspace=torch.empty(2, 4, 8, D + 1)), "workspace must have shape"),
-    (dict(workspace=torch.empty(2, 4, 64, D + 1, dtype=torch.float16)), "workspace must be torch.float32"),
+    (dict(workspace=torch.empty(2, 4, 64, D + 1, dtype=torch.float16)),
+     "workspace must be torch.float32"),
 ])
 def test_decode_input_checks_raise_clear_errors(over, match):
     with pytest.raises(ValueError, match=match):

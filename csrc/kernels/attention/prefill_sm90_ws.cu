@@ -61,7 +61,7 @@
 //     causal, more with many short CTAs; H200 profile).
 //
 // Variants that no shape picks (branch experiment/prefill-sm90-variants keeps them and the
-// QWEN3_PREFILL_VARIANT switch): a single-role wgmma kernel (prefill_sm90.cu: loads and GEMMs in
+// environment switch): a single-role wgmma kernel (prefill_sm90.cu: loads and GEMMs in
 // every warp, one CTA barrier per tile), a 2-stage K/V ring, and both ring depths without
 // ping-pong. H200, bench_attention_prefill.py, us (causal 4k 32/8 bs 256 | 4k 16/8 | 8 x 2k |
 // 16k | 4k bs 16 | prefix Lq 2048 Lk 8k | prefix Lq 512 Lk 16k):

@@ -217,16 +217,16 @@ def test_decode_torch_compile_fullgraph():
     assert torch.equal(got, out.float())
 
 
-@pytest.mark.parametrize("d,block_size,match", [(64, 16, "head_dim 128"), (128, 8, "block_size"),
-                                                   (128, 24, "block_size")])
-def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size, match):
-    # torch.ops callers bypass the wrapper's reference fallback: they get a clear error instead
+@pytest.mark.parametrize("d,block_size", [(64, 16), (128, 8), (128, 24)])
+def test_decode_raw_op_rejects_what_the_kernel_cannot_do(d, block_size):
+    # torch.ops calls are unchecked launches that bypass the wrapper's reference fallback: the
+    # launcher refuses a head_dim or block size it cannot run, and the op raises its launch error
     q = torch.randn(2, 4, d, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(4, block_size, 2, d, device="cuda", dtype=torch.bfloat16)
     bt = torch.zeros(2, 2, dtype=torch.int32, device="cuda")
     lens = torch.ones(2, dtype=torch.int32, device="cuda")
     ws = torch.empty(2, 4, 8, d + 1, device="cuda")
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(RuntimeError, match="paged_attention_decode: CUDA launch failed"):
         torch.ops.qwen3_kernels.paged_attention_decode(torch.empty_like(q), q, kc, kc.clone(), bt,
                                                        lens, 0.1, ws)
 

@@ -105,6 +105,16 @@ def kernel_table(doc: dict) -> list[str]:
     return lines
 
 
+def before_after_table(doc: dict) -> list[str]:
+    """An A/B of two commits in one call (results/before_after.json, written by whoever ran it):
+    what, the figure before and after, and after / before in speed (> 1: the new code is faster)."""
+    lines = ["| what | before | after | unit | speed after / before |", "|---|---|---|---|---|"]
+    for r in doc.get("rows", []):
+        lines.append(f"| {r['what']} | {_us(r['before'])} | {_us(r['after'])} | {r['unit']} | "
+                     f"{r['speed_ratio']:.3f} |")
+    return lines
+
+
 def engine_table(doc: dict) -> list[str]:
     lines = ["| workload | model | settings | output tok/s | decode tok/s | baseline | ratio | "
              "GPU | commit | SM MHz (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -127,7 +137,10 @@ def results_md(docs: dict[str, dict]) -> str:
         return "\n".join(out)
     for bench, doc in docs.items():
         out.append(f"## {bench}\n")
-        if bench == "bench_engine":
+        if bench == "before_after":
+            out.append(doc.get("note", "") + "\n")
+            out += before_after_table(doc)
+        elif bench == "bench_engine":
             out.append("Each row its own run (`python benchmarks/bench_engine.py ...`); last: "
                        f"`{doc.get('command', '')}`, {doc.get('date', '')}.\n")
             out += engine_table(doc)
@@ -144,6 +157,8 @@ def readme_rows(docs: dict[str, dict]) -> list[str]:
     lines = list(README_HEAD)
     for bench, doc in docs.items():
         for r in doc.get("rows", []):
+            if bench == "before_after":
+                continue
             if bench == "bench_engine":
                 ours = f"{r['output_tok_s']:,.0f} tok/s" if r.get("output_tok_s") else ""
                 if r.get("mode") == "batch1" and r.get("decode_tok_s"):

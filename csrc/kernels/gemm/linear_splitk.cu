@@ -30,6 +30,7 @@
 #include "linear_configs.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/launch.cuh"  // LaunchConfig, launch_ex
+#include "qwen3_kernels/mma.cuh"     // mma_16816
 
 namespace qwen3_kernels::linear_detail {
 namespace {
@@ -50,32 +51,6 @@ __device__ __forceinline__ uint4 load_shared_operand(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], uint32_t a0, uint32_t a1,
-                                                         uint32_t a2, uint32_t a3, uint32_t b0,
-                                                         uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], uint32_t a0, uint32_t a1,
-                                                  uint32_t a2, uint32_t a3, uint32_t b0,
-                                                  uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // 32 columns of K for this warp: w_lo / w_hi hold columns kk + 8t .. +7 of rows g and g + 8;
 // x_rows[j] points at token row 8j + g (clamped to a valid row), already offset by kk + 8t.
 template <typename T, int NT>
@@ -85,9 +60,9 @@ __device__ __forceinline__ void mma_k32(float (&acc)[NT][4], const uint4& w_lo, 
   for (int j = 0; j < NT; ++j) {
     const uint4 xb = valid ? load_shared_operand(x_rows[j]) : make_uint4(0, 0, 0, 0);
     // k-step 0: loaded columns 0..3 are slots {2t, 2t+1} (.x) and {2t+8, 2t+9} (.y)
-    mma_16816<T>(acc[j], w_lo.x, w_hi.x, w_lo.y, w_hi.y, xb.x, xb.y);
+    mma_16816<T>(acc[j], {w_lo.x, w_hi.x, w_lo.y, w_hi.y}, xb.x, xb.y);
     // k-step 1: loaded columns 4..7, same slots
-    mma_16816<T>(acc[j], w_lo.z, w_hi.z, w_lo.w, w_hi.w, xb.z, xb.w);
+    mma_16816<T>(acc[j], {w_lo.z, w_hi.z, w_lo.w, w_hi.w}, xb.z, xb.w);
   }
 }
 

@@ -30,6 +30,7 @@ class DetokState:
     read_offset: int = 0
     text: str = ""  # all text so far, cut before a stop string once one matched
     emitted: int = 0  # chars already streamed
+    sent: int = 0  # output ids already streamed
     ids: list[int] = field(default_factory=list)  # ids fed to the detokenizer
 
 

@@ -25,7 +25,7 @@ from qwen3_model.config import Config
 from qwen3_model.engine.detokenizer import Detokenizer, DetokState, load_tokenizer
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
-from qwen3_model.engine.sequence import Sequence
+from qwen3_model.engine.sequence import Sequence, TokenLogprobs
 from qwen3_model.engine.workers import (FAIL_GRACE_S, NcclWatch, abort_nccl, dead_worker,
                                         recv_while_alive, start_workers, stop_workers)
 from qwen3_model.sampling_params import SamplingParams
@@ -42,6 +42,10 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS, stop id or stop string) or "length"
     stop_reason: int | str | None = None  # the stop id or stop string that matched (None for EOS)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.logprobs: one entry per generated token (None when not asked)
+    logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -53,6 +57,26 @@ class StreamDelta:
     text: str  # new text this step (held back while it could still be part of a stop string)
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # the new tokens' entries (SamplingParams.logprobs)
+
+
+def stream_delta(seq: Sequence, state: DetokState) -> StreamDelta:
+    """What ``seq`` added since its last delta (``state`` after ``Detokenizer.step`` with text);
+    advances ``state``. Text that could still be the start of a stop string is held back."""
+    done = seq.is_finished
+    k = state.sent
+    new_ids = seq.token_ids[seq.num_prompt_tokens + k:]
+    state.sent = k + len(new_ids)
+    end = len(state.text)
+    if not done:
+        if seq.params.stop:  # could be the start of a stop string
+            end -= max(len(s) for s in seq.params.stop) - 1
+        end = max(end, state.emitted)
+    text = state.text[state.emitted : end]
+    state.emitted = end
+    lps = seq.logprobs
+    return StreamDelta(seq.index, new_ids, text, done, seq.finish_reason if done else None,
+                       None if lps is None else lps[k : k + len(new_ids)])
 
 
 class LLMEngine:
@@ -168,8 +192,12 @@ class LLMEngine:
                              f"{type(sampling_params).__name__}")
         return list(zip(prompts, params))
 
-    def validate_requests(self, prompts, sampling_params) -> list[tuple[list[int], SamplingParams]]:
-        """Check every request before any work; a ValueError names the first bad one by index."""
+    def validate_requests(self, prompts, sampling_params,
+                          tokenizer=None) -> list[tuple[list[int], SamplingParams]]:
+        """Check every request before any work; a ValueError names the first bad one by index.
+        ``tokenizer``: encodes text prompts instead of the engine's own (the online engine encodes
+        on its callers' thread, and a fast tokenizer must not be used by two threads at once)."""
+        tokenizer = tokenizer or self.tokenizer
         reqs = self._normalise(prompts, sampling_params)
         vocab = self.config.hf_config.vocab_size
         max_len = self.config.max_model_len
@@ -186,10 +214,10 @@ class LLMEngine:
             except ValueError as e:
                 bad(str(e))
             if isinstance(prompt, str):
-                if self.tokenizer is None:
+                if tokenizer is None:
                     bad(f"a text prompt needs a tokenizer, and {self.config.model!r} has none; "
                         "pass token ids instead")
-                ids = list(self.tokenizer(prompt)["input_ids"])
+                ids = list(tokenizer(prompt)["input_ids"])
             elif isinstance(prompt, (list, tuple)):
                 ids = list(prompt)
                 for j, t in enumerate(ids):
@@ -253,7 +281,7 @@ class LLMEngine:
             self._fail_tp(e)
             raise
 
-    def _steps(self) -> Iterator[tuple[list[Sequence], list[Sequence], int, int]]:
+    def _steps(self, online=None) -> Iterator[tuple[list[Sequence], list[Sequence], int, int]]:
         """The step loop: run steps until every request is done; yields per step, in order, the
         sequences that got a token, those of them that finished, and the prefill and decode
         tokens.
@@ -266,6 +294,11 @@ class LLMEngine:
         device, and the values are filled in when read. A step whose tokens can end a sequence,
         and every step without ``overlap_steps``, is waited for before anything else is
         scheduled. The schedule, the tokens and the outputs are the same either way.
+
+        ``online`` (the online engine, async_llm.py): ``online.apply()`` runs before each
+        schedule, where the scheduler's state is whole (step k + 1 launched and advanced), so it
+        may add and abort requests there; when nothing is left to run, ``online.idle()`` blocks
+        until there is, and the loop ends when it returns False.
         """
         sched, runner = self.scheduler, self.model_runner
         overlap = self.config.overlap_steps
@@ -273,6 +306,8 @@ class LLMEngine:
         inflight = None  # (batch, pending tokens, sequences with placeholders, finished) of step k
         try:
             while True:
+                if online is not None:
+                    online.apply()
                 launched = None
                 if not sched.is_finished():
                     batch = self._schedule()
@@ -283,6 +318,8 @@ class LLMEngine:
                     sched.fill(got_k, self._tp_call(runner.wait, pending_k))
                     yield got_k, finished_k, batch_k.num_prefill_tokens, len(batch_k.decodes)
                 if launched is None:
+                    if online is not None and online.idle():
+                        continue
                     return
                 batch, pending = launched
                 if not overlap or sched.needs_tokens(pending.sample_seqs):
@@ -354,21 +391,9 @@ class LLMEngine:
     def stream(self, prompts, sampling_params=None,
                use_tqdm: bool = False) -> Iterator[StreamDelta]:
         """Yield a StreamDelta per request per step that produced tokens, as they come."""
-        sent: dict[int, int] = {}
-        for seq, state in (x for step in self._stream(prompts, sampling_params, use_tqdm, True)
-                           for x in step):
-            done = seq.is_finished
-            k = sent.get(seq.seq_id, 0)
-            new_ids = seq.token_ids[seq.num_prompt_tokens + k:]
-            sent[seq.seq_id] = k + len(new_ids)
-            end = len(state.text)
-            if not done:
-                if seq.params.stop:  # could be the start of a stop string
-                    end -= max(len(s) for s in seq.params.stop) - 1
-                end = max(end, state.emitted)
-            text = state.text[state.emitted : end]
-            state.emitted = end
-            yield StreamDelta(seq.index, new_ids, text, done, seq.finish_reason if done else None)
+        for step in self._stream(prompts, sampling_params, use_tqdm, True):
+            for seq, state in step:
+                yield stream_delta(seq, state)
 
     def generate(
         self,
@@ -392,5 +417,7 @@ class LLMEngine:
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 num_cached_tokens=seq.num_cached_tokens,
+                logprobs=seq.logprobs,
+                prompt_logprobs=seq.prompt_logprobs,
             )
         return [finished[i] for i in sorted(finished)]

@@ -146,6 +146,18 @@ class Scheduler:
         self.waiting.clear()
         return dropped
 
+    def abort(self, seq: Sequence) -> None:
+        """End ``seq`` now, wherever it is (waiting or running), and free its blocks. Called
+        between steps (an in-flight step that still computes it writes only blocks it held when
+        launched, ahead of any later step that reuses them on the same stream)."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._end(seq, "abort", None)
+
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:

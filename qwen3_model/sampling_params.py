@@ -2,6 +2,7 @@
 
     SamplingParams(temperature=0.0, max_tokens=64)                 # greedy
     SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
+    SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=0)  # + logprobs (sequence.py)
 
 Every field is checked when the object is built (and again by ``LLM.generate``, in case a field
 was changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was
@@ -11,6 +12,8 @@ expected.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+MAX_LOGPROBS = 20  # the most top tokens a request may ask for (logprobs / prompt_logprobs)
 
 
 @dataclass(slots=True, init=False)
@@ -25,6 +28,11 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS (stop_token_ids and stop still apply)
     stop: list[str] = field(default_factory=list)  # strings that end the output (not included)
     stop_token_ids: list[int] = field(default_factory=list)  # ids that end the output
+    # per generated token: its logprob, its rank and the top-N; None = not computed. Taken from
+    # the RAW logits (fp32 log_softmax of the LM head), before temperature, top-k / top-p / min-p
+    # and the min_tokens bans (vLLM's default "raw_logprobs")
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
 
     # Keyword-only and explicit, so an unknown keyword is a ValueError (as the API promises)
     # rather than the TypeError a generated dataclass __init__ would raise.
@@ -41,6 +49,8 @@ class SamplingParams:
         ignore_eos: bool = False,
         stop: str | list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         **unknown,
     ):
         if unknown:
@@ -58,6 +68,8 @@ class SamplingParams:
         self.ignore_eos = ignore_eos
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
         self.stop_token_ids = list(stop_token_ids or [])
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.__post_init__()
 
     def __post_init__(self):
@@ -99,6 +111,10 @@ class SamplingParams:
             is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"None or an integer in [0, {MAX_LOGPROBS}] (how many top tokens)")
 
     @property
     def greedy(self) -> bool:

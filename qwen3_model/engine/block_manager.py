@@ -31,6 +31,11 @@ def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((prev_hash, token_ids))
 
 
+def _may_hit(seq: Sequence) -> bool:
+    """Whether ``seq`` may take cached blocks (its blocks are cached for others either way)."""
+    return seq.params.prompt_logprobs is None
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
@@ -84,9 +89,10 @@ class BlockManager:
 
         Never covers the last token: its logits are needed, so it must be computed even when the
         whole prompt is cached (and the block holding it is then recomputed into a fresh block,
-        so a shared block is never written).
+        so a shared block is never written). Nothing for a request with prompt_logprobs: they
+        come from the logits of every prompt token, so its whole prompt must be computed.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or not _may_hit(seq):
             return [], []
         ids, hashes = [], []
         h = _ROOT_HASH
@@ -123,7 +129,7 @@ class BlockManager:
         self._write_row(seq, 0)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit_ids) * self.block_size
         self.num_hit_blocks += len(hit_ids)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and _may_hit(seq):
             self.num_queried_blocks += (seq.num_tokens - 1) // self.block_size
         self.grow(seq, seq.num_tokens)
 

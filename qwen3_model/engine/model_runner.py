@@ -24,11 +24,53 @@ from qwen3_model.config import Config
 from qwen3_model.distributed import broadcast_from_rank0, init_all_reduce
 from qwen3_model.engine.cuda_graphs import CudaGraphs
 from qwen3_model.engine.scheduler import ScheduledBatch
-from qwen3_model.engine.sequence import Sequence
+from qwen3_model.engine.sequence import Sequence, TokenLogprobs
 from qwen3_model.engine.step_inputs import StepInputs, StepPlan, HostStaging, typed_torch
 from qwen3_model.layers.sampler import Sampler, SamplingBatch
 from qwen3_model.utils.blas import prefer_cublaslt
 from qwen3_model.utils.context import Context, reset_context, set_context
+
+
+@dataclass
+class LogprobRows:
+    """Logprobs of some rows of a step's logits (``logprob_stats``), on the device or, once
+    copied back, on the host: column 0 the row's own token (its logprob; its rank), then the
+    top-K most likely (their logprobs; their ids)."""
+
+    values: torch.Tensor  # [R, 1 + K] fp32
+    ids: torch.Tensor  # [R, 1 + K] int64
+
+    def to_host(self, pin: bool) -> "LogprobRows":
+        """Asynchronous copies into pinned memory (CUDA): read them after the step's event."""
+        if not pin:
+            return self
+        out = []
+        for t in (self.values, self.ids):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        return LogprobRows(*out)
+
+    def entries(self, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+        """Per row: its token (``token_ids``) and its top ``num_top`` (<= K), as host objects."""
+        values, ids = self.values.tolist(), self.ids.tolist()
+        return [TokenLogprobs(t, v[0], i[0], list(zip(i[1 : 1 + n], v[1 : 1 + n])))
+                for t, v, i, n in zip(token_ids, values, ids, num_top)]
+
+
+def logprob_stats(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobRows:
+    """logits [R, V] (raw: the LM head's output), tokens [R] int64 -> each token's fp32
+    logprob and rank (1 + the tokens strictly more likely), and the top-k of each row."""
+    x = logits.float()
+    lp = torch.log_softmax(x, dim=-1)
+    tokens = tokens.unsqueeze(1)
+    rank = (x > x.gather(1, tokens)).sum(dim=-1, keepdim=True) + 1
+    values, ids = [lp.gather(1, tokens)], [rank]
+    if k:
+        top = lp.topk(k, dim=-1)  # sorted, most likely first
+        values.append(top.values)
+        ids.append(top.indices)
+    return LogprobRows(torch.cat(values, dim=1), torch.cat(ids, dim=1))
 
 
 @dataclass
@@ -39,6 +81,11 @@ class PendingTokens:
     host: torch.Tensor | None  # [N] int64, pinned; valid once ``event`` has completed
     event: object  # torch.cuda.Event or None
     sample_seqs: list  # the sequences the rows belong to, in order
+    # the logprobs the step's sequences asked for (SamplingParams.logprobs / prompt_logprobs),
+    # on their way to the host like ``host``; None: none asked (the common case)
+    logprobs: tuple[LogprobRows, list[int]] | None = None  # and the rows of sample_seqs
+    # and (sequence, first position, count) per run of rows
+    prompt_logprobs: tuple[LogprobRows, list[tuple[Sequence, int, int]]] | None = None
 
 
 class ModelRunner(StepInputs, CudaGraphs):
@@ -110,6 +157,10 @@ class ModelRunner(StepInputs, CudaGraphs):
         self._last_sampled: torch.Tensor | None = None
         self._token_bufs: list[torch.Tensor | None] = [None, None]
         self._token_turn = 0
+        # rank 0: the prompt-logprob rows of the plan built here, (sequence, first position,
+        # count) per run (plan_step), and their logprobs once the forward computed them
+        self._prompt_owners: list[tuple[Sequence, int, int]] = []
+        self._prompt_logprobs: LogprobRows | None = None
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = self.allocate_kv_cache()
         self.init_graphs()  # (cuda_graphs.py)
@@ -263,7 +314,34 @@ class ModelRunner(StepInputs, CudaGraphs):
         self.num_graph_steps += plan.bucket is not None
         with prefer_cublaslt(self.use_cuda):
             hidden = self.run_model(input_ids, positions, ctx, plan.bucket)
-            return self._logits(plan, hidden)
+            logits = self._logits(plan, hidden)
+            if plan.prompt_rows is not None:  # (before a next replay reuses hidden's buffer)
+                self._prompt_logprobs = self._prompt_logits(plan, hidden)
+            return logits
+
+    def _prompt_logits(self, plan: StepPlan, hidden: torch.Tensor) -> LogprobRows | None:
+        """Every rank (the LM head is collective): the LM head over the step's prompt-logprob
+        rows of ``hidden`` [T, hidden], in pieces of at most max_num_seqs rows (the logits the
+        warm-up's memory peak allowed for); rank 0 reduces each piece to the logprob and rank of
+        the next prompt token and the top-K (None elsewhere)."""
+        rows = self._to_device(plan.prompt_rows, torch.int64)
+        targets, k = None, 0
+        if self.rank == 0:
+            owners = self._prompt_owners
+            targets = self._to_device(
+                [t for seq, p, c in owners for t in seq.token_ids[p + 1 : p + 1 + c]], torch.int64)
+            k = max([seq.params.prompt_logprobs for seq, _, _ in owners])
+        piece = max(1, self.config.max_num_seqs)
+        parts = []
+        for a in range(0, rows.shape[0], piece):
+            logits = self.model.compute_logits(hidden[rows[a : a + piece]], dtype=None)
+            if logits is not None:
+                parts.append(logprob_stats(logits, targets[a : a + piece], k))
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobRows(torch.cat([q.values for q in parts]), torch.cat([q.ids for q in parts]))
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
         """The LM head over the step's sampled rows of ``hidden`` [T, hidden] (forward_plan)."""
@@ -304,8 +382,12 @@ class ModelRunner(StepInputs, CudaGraphs):
         for conn in self.worker_conns:  # the other TP ranks run the same step
             conn.send(("run", plan))
         logits = self.forward_plan(plan)
+        prompt = None
+        if plan.prompt_rows is not None:
+            prompt = (self._prompt_logprobs, self._prompt_owners)
+            self._prompt_logprobs, self._prompt_owners = None, []
         if logits is None:
-            return PendingTokens(None, None, None, sample_seqs)
+            return self._read_back(None, sample_seqs, None, prompt)
         params = [s.params for s in sample_seqs]
         positions = banned = None
         # (list comprehensions and C-level list scans: this runs every step over every row)
@@ -318,30 +400,85 @@ class ModelRunner(StepInputs, CudaGraphs):
         self._last_sampled = tokens  # the next step may take them as inputs before they are read
         if self.worker_conns:  # ... on every rank: the other ranks get them from here
             broadcast_from_rank0(tokens)
-        if not self.use_cuda:
-            return PendingTokens(tokens, tokens, None, sample_seqs)
-        # an asynchronous copy into pinned memory: the host waits on its event, not the stream
-        self._token_turn ^= 1
-        host = self._token_bufs[self._token_turn]
-        if host is None or host.numel() < tokens.numel():
-            host = torch.empty(max(tokens.numel(), 1024), dtype=torch.int64, pin_memory=True)
-            self._token_bufs[self._token_turn] = host
-        host = host[: tokens.numel()]
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingTokens(tokens, host, event, sample_seqs)
+        asked = None
+        if [p.logprobs for p in params].count(None) != len(params):
+            asked = self._sampled_logprobs(logits, tokens, params)
+        return self._read_back(tokens, sample_seqs, asked, prompt)
+
+    def _sampled_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                          params: list) -> tuple[LogprobRows, list[int]]:
+        """The logprobs of the sampled tokens [N] of the rows that ask (raw ``logits`` [N, V]:
+        the sampler does not change them), and those rows."""
+        rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+        k = max([params[r].logprobs for r in rows])
+        if len(rows) < len(params):
+            index = self._to_device(rows, torch.int64)
+            logits, tokens = logits[index], tokens[index]
+        return logprob_stats(logits, tokens, k), rows
+
+    def _read_back(self, tokens: torch.Tensor | None, sample_seqs: list, asked, prompt):
+        """Queue the step's results' copies to the host (CUDA: asynchronous, into pinned memory,
+        then an event the host waits on instead of the stream)."""
+        if tokens is None and prompt is None:
+            return PendingTokens(None, None, None, sample_seqs)
+        pin = self.use_cuda
+        if asked is not None:
+            asked = (asked[0].to_host(pin), asked[1])
+        if prompt is not None and prompt[0] is not None:
+            prompt = (prompt[0].to_host(pin), prompt[1])
+        if not pin or tokens is None:
+            host = tokens
+        else:
+            self._token_turn ^= 1
+            host = self._token_bufs[self._token_turn]
+            if host is None or host.numel() < tokens.numel():
+                host = torch.empty(max(tokens.numel(), 1024), dtype=torch.int64, pin_memory=True)
+                self._token_bufs[self._token_turn] = host
+            host = host[: tokens.numel()]
+            host.copy_(tokens, non_blocking=True)
+        event = None
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        return PendingTokens(tokens, host, event, sample_seqs, asked, prompt)
 
     def wait(self, pending: "PendingTokens") -> list[int]:
-        """The step's sampled tokens (the step's one host sync)."""
-        if pending.host is None:
+        """The step's sampled tokens (the step's one host sync); the logprobs asked for go to
+        their sequences (``Sequence.logprobs`` / ``prompt_logprobs``)."""
+        if pending.host is None and pending.prompt_logprobs is None:
             return []
         if pending.event is not None:
             if self.tp_watch is None:
                 pending.event.synchronize()
             else:
                 self._wait_watched(pending.event)
-        return pending.host.tolist()
+        tokens = [] if pending.host is None else pending.host.tolist()
+        if pending.logprobs is not None:
+            stats, rows = pending.logprobs
+            seqs = [pending.sample_seqs[r] for r in rows]
+            entries = stats.entries([tokens[r] for r in rows],
+                                    [s.params.logprobs for s in seqs])
+            for seq, entry in zip(seqs, entries):
+                seq.logprobs.append(entry)
+        if pending.prompt_logprobs is not None:
+            self._store_prompt_logprobs(*pending.prompt_logprobs)
+        return tokens
+
+    @staticmethod
+    def _store_prompt_logprobs(stats: LogprobRows | None,
+                               owners: list[tuple[Sequence, int, int]]) -> None:
+        """Row j of a run (sequence, p, c) is the logprob of prompt token p + 1 + j (stored over
+        an earlier value: a preempted sequence recomputes its prompt)."""
+        if stats is None:
+            return
+        targets, num_top = [], []
+        for seq, p, c in owners:
+            targets += seq.token_ids[p + 1 : p + 1 + c]
+            num_top += [seq.params.prompt_logprobs] * c
+        entries = iter(stats.entries(targets, num_top))
+        for seq, p, c in owners:
+            for pos in range(p + 1, p + 1 + c):
+                seq.prompt_logprobs[pos] = next(entries)
 
     def _wait_watched(self, event) -> None:
         """Poll the step's event instead of blocking on it: if a worker dies mid-step, this

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
 
 from qwen3_model.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One token's logprob (SamplingParams.logprobs / prompt_logprobs), from the raw logits:
+    fp32 log_softmax of the LM head's output, before any sampling setting."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely (1 + the number of tokens strictly more likely)
+    top: list[tuple[int, float]]  # the top-N (token_id, logprob), most likely first; [] for N = 0
 
 
 class SequenceStatus(Enum):
@@ -28,7 +40,8 @@ class Sequence:
     __slots__ = ("seq_id", "index", "status", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
                  "table_row", "params", "max_num_tokens", "stop_ids", "needs_tokens",
-                 "finish_reason", "stop_reason", "num_preemptions")
+                 "finish_reason", "stop_reason", "num_preemptions", "logprobs",
+                 "prompt_logprobs")
 
     def __init__(self, token_ids: list[int], params: SamplingParams, index: int = 0):
         self.seq_id = next(Sequence._ids)
@@ -55,6 +68,12 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" or "length"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
+        # one entry per generated token (the model runner appends them as tokens are read back)
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        # one entry per prompt token, [0] None (nothing predicts the first); the runner fills
+        # entry p + 1 when it computes the prompt token at position p
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -91,6 +91,9 @@ class StepPlan:
     # (fields "pending_rows" / "pending_src"; ``pending_in_order``: rows T_pre + k, k = 0..)
     num_pending: int = 0
     pending_in_order: bool = False
+    # rows whose logits give prompt logprobs (SamplingParams.prompt_logprobs): row j of a chunk
+    # at position p predicts the prompt token at p + 1; None = no such row (the common case)
+    prompt_rows: np.ndarray | None = None
 
 
 class HostStaging:
@@ -191,6 +194,23 @@ class StepInputs:
                 sample_seqs += [decodes[k] for k in idx.tolist()]
             sample_rows = np.concatenate(parts)
 
+        # rows whose logits give prompt logprobs (one list scan of the step's prompt chunks; the
+        # decode rows only when some is a prompt token, not its sequence's last)
+        segments = []
+        if P and [s.params.prompt_logprobs for s in pre_seqs].count(None) != P:
+            segments += self._prompt_segments(pre_seqs, pre_start, pre_n, cu_q[:-1])
+        if dec_done is not None and not dec_done.all():
+            part = [k for k in np.flatnonzero(~dec_done).tolist()
+                    if decodes[k].params.prompt_logprobs is not None]
+            if part:
+                segments += self._prompt_segments([decodes[k] for k in part], dec_pos[part],
+                                                  np.ones(len(part), dtype=np.int64),
+                                                  T_pre + np.array(part, dtype=np.int64))
+        prompt_rows = None
+        if segments:
+            prompt_rows = np.concatenate([np.arange(r, r + c) for _, _, c, r in segments])
+            self._prompt_owners = [(seq, p, c) for seq, p, c, _ in segments]
+
         bucket = self._graph_bucket(batch)
         if bucket is not None:
             layout, n_rows = self.graph_layout, bucket
@@ -267,9 +287,26 @@ class StepInputs:
         plan = StepPlan(data=buf[:nbytes], layout=layout, num_tokens=T, num_prefill_tokens=T_pre,
                         num_prefills=P, num_decodes=D, max_q=int(pre_n.max()) if P else 0,
                         sample_rows=sample_rows, bucket=bucket, num_pending=num_pending,
-                        pending_in_order=in_order)
+                        pending_in_order=in_order, prompt_rows=prompt_rows)
         self._staged = (plan, i)
         return plan, sample_seqs
+
+    @staticmethod
+    def _prompt_segments(seqs: list[Sequence], start: np.ndarray, n: np.ndarray,
+                         first_row: np.ndarray) -> list[tuple[Sequence, int, int, int]]:
+        """Of chunks ``[start, start + n)`` (one per sequence, at step row ``first_row``): the
+        positions whose logits predict a prompt token of a sequence with prompt_logprobs, as
+        (sequence, first position, count, first row). The last prompt token's row predicts the
+        first output token (sampled, not a prompt logprob), and a recomputed chunk past the
+        prompt (after a preemption) has none."""
+        out = []
+        for seq, p0, c, r in zip(seqs, start.tolist(), n.tolist(), first_row.tolist()):
+            if seq.params.prompt_logprobs is None:
+                continue
+            c = min(c, seq.num_prompt_tokens - 1 - p0)
+            if c > 0:
+                out.append((seq, p0, c, r))
+        return out
 
     def _table_source(self, batch: ScheduledBatch):
         """-> (int32 [rows, >= max_blocks_per_seq] block tables, seqs -> their rows in it):

@@ -4,6 +4,7 @@
     python -m qwen3_model --model ~/Qwen3-0.6B --chat "Write a haiku about GPUs" --temperature 0.7
     python -m qwen3_model --model ~/Qwen3-0.6B --prompts-file prompts.txt --temperature 0
     python -m qwen3_model            # no model: a small random-weight Qwen3, one batch, throughput
+    python -m qwen3_model serve --model ~/Qwen3-0.6B --port 8000    # the OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                    help="stop token id (repeatable)")
 
+    add_engine_args(p)
+    return p
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's settings (Config fields), shared by generate and serve."""
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     e.add_argument("--device", default="auto", help="auto, cuda or cpu")
@@ -74,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-overlap-steps", action="store_true",
                    help="read every step's tokens before scheduling the next (no host / device "
                         "overlap; same tokens)")
-    return p
+    e.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from config.json alone (benchmarks at real shapes)")
 
 
 def read_prompts(args) -> list[str]:
@@ -98,6 +106,7 @@ def engine_kwargs(args) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         tp_all_reduce=args.tp_all_reduce,
         overlap_steps=not args.no_overlap_steps,
+        load_format=args.load_format,
     )
 
 
@@ -198,6 +207,11 @@ def run_model(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from qwen3_model.server.cli import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.model is None:

@@ -12,6 +12,6 @@ python -m pip install -q --upgrade pip
 # installing it into .venv before running this script).
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q "transformers==5.17.0" safetensors tqdm pytest pytest-benchmark \
-  ninja pybind11 "nvidia-cutlass==4.2.0.0"
+  ninja pybind11 "nvidia-cutlass==4.2.0.0" fastapi uvicorn openai
 MAX_JOBS=${MAX_JOBS:-4} python -m pip install -q --no-build-isolation --no-deps -e .
 python -c "import qwen3_kernels as q; print('qwen3_kernels', q.__version__, '| CUDA kernels:', q.has_cuda_kernels())"

@@ -58,6 +58,8 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # the new tokens' entries (SamplingParams.logprobs)
+    # SamplingParams.prompt_logprobs: the prompt's entries, on a request's first delta
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def stream_delta(seq: Sequence, state: DetokState) -> StreamDelta:
@@ -76,7 +78,8 @@ def stream_delta(seq: Sequence, state: DetokState) -> StreamDelta:
     state.emitted = end
     lps = seq.logprobs
     return StreamDelta(seq.index, new_ids, text, done, seq.finish_reason if done else None,
-                       None if lps is None else lps[k : k + len(new_ids)])
+                       None if lps is None else lps[k : k + len(new_ids)],
+                       seq.prompt_logprobs if k == 0 else None)
 
 
 class LLMEngine:

@@ -71,14 +71,16 @@ def qwen3_config(size_or_fields: str | dict, **overrides):
 def char_tokenizer(vocab_size: int):
     """A character-level PreTrainedTokenizerFast with exactly ``vocab_size`` entries.
 
-    Ids: the special tokens, then printable ASCII and newline (one id per char), then two-letter
-    filler strings up to vocab_size (never produced by encoding, but every id decodes to text).
+    Ids: the special tokens, then printable ASCII and newline (one id per char), then two- to
+    four-letter filler strings up to vocab_size (never produced by encoding, but every id decodes
+    to text).
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    fillers = ("".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2))
+    fillers = ("".join(p) for n in (2, 3, 4)  # (enough for Qwen3's 151,936 ids)
+               for p in itertools.product(string.ascii_lowercase, repeat=n))
     pieces = SPECIAL_TOKENS + chars
     if vocab_size < len(pieces):
         raise ValueError(f"char_tokenizer needs vocab_size >= {len(pieces)}, got {vocab_size}")

@@ -138,30 +138,50 @@ def post_json(srv, path: str, body, timeout: float = 30.0):
 
 
 class SSEStream:
-    """A streaming POST read event by event: ``events()`` yields each ``data:`` payload (str);
-    ``close()`` drops the connection (the client going away)."""
+    """A streaming POST read event by event. The request is sent at once; ``status`` /
+    ``events()`` wait for the response (a queued request may get it late); ``close()`` drops the
+    connection (the client going away)."""
 
     def __init__(self, srv, path: str, body: dict, timeout: float = 30.0):
         self.conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
         self.conn.request("POST", path, body=json.dumps(body).encode(),
                           headers={"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-        self.status = self.resp.status
+        self._resp = None
+        self.truncated = False
+
+    @property
+    def resp(self) -> http.client.HTTPResponse:
+        if self._resp is None:
+            self._resp = self.conn.getresponse()
+        return self._resp
+
+    @property
+    def status(self) -> int:
+        return self.resp.status
 
     def events(self):
+        """Each ``data:`` payload (str), until the connection closes."""
         while True:
-            line = self.resp.fp.readline()
+            try:
+                line = self.resp.readline()
+            except (http.client.IncompleteRead, ConnectionError):
+                self.truncated = True  # the server dropped the connection mid-chunk
+                return
             if not line:
-                return  # connection closed
+                return
             line = line.decode().rstrip("\r\n")
             if line.startswith("data:"):
                 yield line[len("data:"):].strip()
 
     def close(self) -> None:
-        try:
-            self.conn.sock and self.conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._resp is not None:
+            self._resp.close()
         self.conn.close()
 
 

@@ -66,6 +66,7 @@ def logprob_stats(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprob
     tokens = tokens.unsqueeze(1)
     rank = (x > x.gather(1, tokens)).sum(dim=-1, keepdim=True) + 1
     values, ids = [lp.gather(1, tokens)], [rank]
+    k = min(k, lp.shape[1])
     if k:
         top = lp.topk(k, dim=-1)  # sorted, most likely first
         values.append(top.values)

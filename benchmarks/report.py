@@ -5,8 +5,8 @@
 
 Reads every benchmarks/results/<bench>.json (record.py says what is in one) and writes
   benchmarks/RESULTS.md            current tables only, each with its command, date, GPU, commit
-  benchmarks/plots/*.png           elementwise, attention_decode, attention_prefill, linear, engine
-                                   (a plot whose JSON is absent is skipped)
+  benchmarks/plots/*.png           elementwise, attention_decode, attention_prefill, linear, engine,
+                                   serve (a plot whose JSON is absent is skipped)
   README.md                        the rows marked headline, between <!-- results:begin --> and
                                    <!-- results:end --> (left alone when the markers are absent)
 The tables need nothing beyond the standard library; the plots need matplotlib
@@ -130,12 +130,60 @@ def engine_table(doc: dict) -> list[str]:
     return lines
 
 
+def is_serve(bench: str) -> bool:
+    """results/serve_<tag>.json: bench_serve.py's runs, one file per model / workload."""
+    return bench.startswith("serve_")
+
+
+def _yes(ok) -> str:
+    return "" if ok is None else ("yes" if ok else "NO")
+
+
+def serve_section(doc: dict) -> list[str]:
+    """One bench_serve run: its setting, a row per request rate, the two baseline comparisons."""
+    lens = doc.get("workload_lens") or {}
+    lines = [f"**{doc.get('model', '?')}, {doc.get('workload', '?')} workload** (prompts "
+             f"{'..'.join(map(str, lens.get('input', [])))} tokens, max_tokens "
+             f"{'..'.join(map(str, lens.get('output', [])))}, {lens.get('draw', '')}; engine "
+             f"args: {doc.get('engine_args') or 'defaults'}): `{doc.get('command', '')}` on "
+             f"{doc.get('gpu', '?')}, commit {doc.get('commit', '?')}, {doc.get('date', '')}.\n",
+             "| rate (req/s) | requests | ok | req/s | output tok/s | total tok/s | TTFT p50 (ms) "
+             "| TTFT p90 | TTFT p99 | ITL p50 (ms) | ITL p90 | ITL p99 | e2e p50 (ms) | "
+             "SM MHz (median) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("rows", []):
+        t, i = r.get("ttft_ms") or {}, r.get("itl_ms") or {}
+        lines.append(
+            f"| {r['rate']} | {r['num_requests']} | {r['completed']} | "
+            f"{_f(r.get('request_throughput'))} | {_f(r.get('output_tok_s'), ',.0f')} | "
+            f"{_f(r.get('total_tok_s'), ',.0f')} | {_f(t.get('p50'), ',.1f')} | "
+            f"{_f(t.get('p90'), ',.1f')} | {_f(t.get('p99'), ',.1f')} | {_f(i.get('p50'))} | "
+            f"{_f(i.get('p90'))} | {_f(i.get('p99'))} | "
+            f"{_f((r.get('e2e_ms') or {}).get('p50'), ',.0f')} | "
+            f"{_f((r.get('clocks') or {}).get('sm_mhz_median'), '.0f')} |")
+    off, acc = doc.get("offline") or {}, list((doc.get("acceptance") or {}).values()) + [None] * 2
+    lines.append("")
+    if doc.get("saturation_vs_offline") is not None:
+        lines.append(f"Saturation / offline `LLM.generate` on the same requests "
+                     f"({off['output_tok_s']:,.0f} output tok/s): "
+                     f"{doc['saturation_vs_offline']:.3f}x (>= 0.95: {_yes(acc[0])}).")
+    if doc.get("ttft_over_prefill_ms") is not None:
+        lines.append(f"TTFT p50 at {doc['low_rate']} req/s minus prefill alone "
+                     f"({off['prefill_alone_ms']['p50']:.2f} ms, `LLM.generate` max_tokens=1 on "
+                     f"the same prompts): {doc['ttft_over_prefill_ms']:.2f} ms (<= 15 ms: "
+                     f"{_yes(acc[1])}).")
+    lines.append("")
+    return lines
+
+
 def results_md(docs: dict[str, dict]) -> str:
     out = [HEADER]
     if not docs:
         out.append("No results yet: run the benchmarks on a GPU (above), then this script.\n")
         return "\n".join(out)
+    serve = {b: d for b, d in docs.items() if is_serve(b)}
     for bench, doc in docs.items():
+        if bench in serve:
+            continue
         out.append(f"## {bench}\n")
         if bench == "before_after":
             out.append(doc.get("note", "") + "\n")
@@ -149,6 +197,16 @@ def results_md(docs: dict[str, dict]) -> str:
                        f"{doc.get('commit', '?')}, {doc.get('date', '')}.\n")
             out += kernel_table(doc)
         out.append("")
+    if serve:
+        out.append("## Serving\n")
+        out.append("`python benchmarks/bench_serve.py`: `python -m qwen3_model serve` under "
+                   "Poisson arrivals of token-id prompts (streamed /v1/completions, ignore_eos), "
+                   "a run per request rate (inf: all at once); TTFT = send to the first token "
+                   "chunk, ITL = the gaps between token chunks, seen by an asyncio client over "
+                   "HTTP. The offline baselines run in a process of their own on the same "
+                   "requests and engine flags.\n")
+        for doc in serve.values():
+            out += serve_section(doc)
     return "\n".join(out)
 
 
@@ -156,6 +214,9 @@ def readme_rows(docs: dict[str, dict]) -> list[str]:
     """README's table: one line a row (what, ours, baseline in the same run, ratio, GPU, commit)."""
     lines = list(README_HEAD)
     for bench, doc in docs.items():
+        if is_serve(bench):  # one row for the whole run
+            lines += serve_readme_row(doc)
+            continue
         for r in doc.get("rows", []):
             if bench == "before_after":
                 continue
@@ -180,6 +241,27 @@ def readme_rows(docs: dict[str, dict]) -> list[str]:
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
             lines.append(f"| {what} | {ours} | {base} | {ratio} | {gpu} | {commit} |")
     return lines if len(lines) > len(README_HEAD) else []
+
+
+def serve_readme_row(doc: dict) -> list[str]:
+    """A serving run in README's table: saturation output tok/s and the lowest rate's TTFT p50
+    against offline LLM.generate."""
+    rows = doc.get("rows", [])
+    sat = next((r for r in rows if r.get("rate") == "inf"), None)
+    low = next((r for r in rows if r.get("rate") == doc.get("low_rate")), None)
+    if sat is None and low is None:
+        return []
+    ours = [f"{sat['output_tok_s']:,.0f} tok/s at saturation"] if sat else []
+    if low and (low.get("ttft_ms") or {}).get("p50") is not None:
+        ours.append(f"TTFT p50 {low['ttft_ms']['p50']:,.1f} ms at {low['rate']} req/s")
+    off = doc.get("offline") or {}
+    base = f"offline LLM.generate {off['output_tok_s']:,.0f} tok/s" if off.get(
+        "output_tok_s") else "-"
+    ratio = doc.get("saturation_vs_offline")
+    what = (f"{doc.get('model', '?')}, serving {doc.get('workload', '?')} "
+            f"({doc.get('engine_args') or 'defaults'})")
+    return [f"| {what} | {'; '.join(ours)} | {base} | {f'{ratio:.2f}x' if ratio else '-'} | "
+            f"{doc.get('gpu', '')} | {doc.get('commit', '')} |"]
 
 
 def update_readme(readme: Path, rows: list[str]) -> bool:
@@ -339,6 +421,52 @@ def plot_engine(plt, doc, path: Path):
     return _save(fig, path)
 
 
+def plot_serve(plt, docs: dict[str, dict], path: Path):
+    """Latency against achieved request rate (TTFT and ITL, p50 solid, p99 dashed) and output
+    tok/s, a color per serving run; the offline LLM.generate figure as a dotted line."""
+    runs = [d for b, d in docs.items() if is_serve(b) and d.get("rows")]
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for n, doc in enumerate(runs):
+        color = f"C{n}"
+        rows = sorted((r for r in doc["rows"] if r.get("request_throughput")),
+                      key=lambda r: r["request_throughput"])
+        xs = [r["request_throughput"] for r in rows]
+        label = f"{doc.get('model', '?')} {doc.get('workload', '')}"
+        for ax, key in zip(axes[:2], ("ttft_ms", "itl_ms")):
+            ax.plot(xs, [r[key]["p50"] for r in rows], "o-", color=color, label=f"{label} p50")
+            ax.plot(xs, [r[key]["p99"] for r in rows], "x--", color=color, alpha=0.7,
+                    label=f"{label} p99")
+        axes[2].plot(xs, [r["output_tok_s"] for r in rows], "o-", color=color, label=label)
+        off = (doc.get("offline") or {}).get("output_tok_s")
+        if off:
+            axes[2].axhline(off, color=color, ls=":", lw=1.2,
+                            label=f"{label}: offline LLM.generate")
+        for r in rows:
+            axes[2].annotate(r["rate"], (r["request_throughput"], r["output_tok_s"]),
+                             fontsize=7, textcoords="offset points", xytext=(3, -9))
+    from matplotlib.ticker import FormatStrFormatter
+
+    for ax, title, unit in zip(axes, ("TTFT", "inter-token latency", "output throughput"),
+                               ("ms", "ms", "output tok/s")):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.set_xlabel("achieved request rate (req/s)")
+        ax.set_ylabel(unit)
+        if unit == "ms":
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_title(title + (" (points: offered rate)" if unit != "ms" else ""), fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"Serving ({_subtitle(runs[0])})", fontsize=10)
+    return _save(fig, path)
+
+
 def plots(docs: dict[str, dict], plots_dir: Path) -> list[Path]:
     plt = _pyplot()
     made = [plot_elementwise(plt, docs, plots_dir / "elementwise.png")]
@@ -355,6 +483,7 @@ def plots(docs: dict[str, dict], plots_dir: Path) -> list[Path]:
         made.append(plot_linear(plt, docs["bench_linear"], plots_dir / "linear.png"))
     if "bench_engine" in docs:
         made.append(plot_engine(plt, docs["bench_engine"], plots_dir / "engine.png"))
+    made.append(plot_serve(plt, docs, plots_dir / "serve.png"))
     plt.close("all")
     return [p for p in made if p is not None]
 

@@ -7,6 +7,9 @@
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   ENGINE="--size 8B --batch1;--size 8B --no-overlap-steps" bash scripts/gpu_round.sh
 #                         # bench_engine.py runs, ";"-separated (each its flags)
+#   SERVE='--size 8B;--size 8B --workload chat;--size 8B --engine-args "--max-num-seqs 176"' \
+#     bash scripts/gpu_round.sh  # bench_serve.py runs (server + offline baselines each), as ENGINE
+#                         # but shell-quoted; SERVE=none skips them; SERVE_TIMEOUT=1200 (s) each
 #   TEST_TIMEOUT=300 FILE_TIMEOUT=900  # a test past 300 s dumps its stacks; a file past 900 s dies
 #   PARALLEL=1 ...        # on a machine with >= 2 GPUs: the test files run at once (each file one
 #                         # process, round-robin over all GPUs but the last) while the benchmarks
@@ -88,7 +91,8 @@ if [ "$TESTS" != none ]; then
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
 
-BENCH=${BENCH:-$(cd benchmarks && ls bench_*.py | grep -v bench_engine | tr '\n' ' ')}
+BENCH=${BENCH:-$(cd benchmarks && ls bench_*.py | grep -v -e bench_engine -e bench_serve \
+  | tr '\n' ' ')}
 RESULTS="$(cd "$OUT" && pwd)/results"
 mkdir -p "$RESULTS"
 if [ "$BENCH" != none ]; then
@@ -121,6 +125,23 @@ if [ "$ENGINE" != none ]; then
     read -ra flags <<< "$args"
     (cd benchmarks && timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py "${flags[@]}" \
        --results-dir "$RESULTS" 2>&1) | grep -v "Generating" | tee -a "$OUT/engine.log" | tail -6
+  done
+fi
+
+# Serving (benchmarks/bench_serve.py): the server under Poisson arrivals, the offline baselines in
+# a process of their own; the server's output goes to $OUT/serve_server_<n>.log.
+SERVE=${SERVE:-"--size 8B"}
+if [ "$SERVE" != none ]; then
+  : > "$OUT/serve.log"
+  IFS=';' read -ra runs <<< "$SERVE"
+  n=0
+  for args in "${runs[@]}"; do
+    n=$(( n + 1 ))
+    echo "== bench_serve.py $args ==" | tee -a "$OUT/serve.log"
+    eval "flags=($args)"  # (shell quoting: --engine-args "...")
+    (cd benchmarks && timeout "${SERVE_TIMEOUT:-1200}" python3 bench_serve.py "${flags[@]}" \
+       --results-dir "$RESULTS" --server-log "$OUT/serve_server_$n.log" 2>&1) \
+       | tee -a "$OUT/serve.log" | tail -14
   done
 fi
 

@@ -134,7 +134,8 @@ def post_json(srv, path: str, body, timeout: float = 30.0):
     try:
         return status, json.loads(data)
     except ValueError:
-        raise AssertionError(f"{path} answered {status} with a body that is not JSON: {data[:500]!r}")
+        raise AssertionError(f"{path} answered {status} with a body that is not JSON: "
+                             f"{data[:500]!r}") from None
 
 
 class SSEStream:

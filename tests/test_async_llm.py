@@ -301,7 +301,8 @@ def test_shutdown_drains_or_aborts_in_bounded_time(ckpt):
         assert took < 10, f"shutdown(drain_timeout=1) took {took:.1f} s"
         assert joined(short_d)[2] == "length"  # finished within the drain time
         last = long_d[-1]
-        assert isinstance(last, Exception) or (last.finished and last.finish_reason == "abort"), last
+        assert isinstance(last, Exception) or (last.finished and last.finish_reason == "abort"), (
+            last)
         assert sum(len(d.token_ids) for d in long_d if not isinstance(d, Exception)) < 1000
         with pytest.raises(Exception):  # no longer admitting
             eng.add_request("after shutdown", short)

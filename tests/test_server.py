@@ -417,6 +417,41 @@ def test_openai_client_sees_the_errors(client):
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_a_failure_inside_one_request_is_a_500_for_it_only(ckpt, ref, monkeypatch):
+    """In process (the app over an AsyncLLM, FastAPI's TestClient), so that one request's
+    detokenization can be made to raise."""
+    from fastapi.testclient import TestClient
+
+    from qwen3_model.engine.async_llm import AsyncLLM
+    from qwen3_model.engine.detokenizer import Detokenizer
+    from qwen3_model.server.app import build_app
+    from tests.server_fixtures import parse_prometheus
+
+    engine = AsyncLLM(ckpt, device="cpu", kvcache_block_size=BS, max_model_len=MAX_LEN,
+                      num_kvcache_blocks=64)
+    try:
+        poison_ids = engine.tokenizer("poison pill")["input_ids"]
+        real_step = Detokenizer.step
+
+        def step(self, seq, state, want_text):
+            if seq.token_ids[: seq.num_prompt_tokens] == poison_ids:
+                raise RuntimeError("detokenizer exploded")
+            return real_step(self, seq, state, want_text)
+
+        monkeypatch.setattr(Detokenizer, "step", step)
+        with TestClient(build_app(engine, MODEL)) as http:  # (in process: bounded by max_tokens)
+            r = http.post(C, json=comp(prompt="poison pill", max_tokens=5))
+            err = assert_error(r.status_code, r.json(), 500)
+            assert err["type"] == "internal_server_error" and "exploded" in err["message"]
+            want = offline(ref, ["healthy"], temperature=0, max_tokens=5)[0]
+            r = http.post(C, json=comp(prompt="healthy", max_tokens=5, temperature=0))
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+            m = parse_prometheus(http.get("/metrics").text)
+            assert finished(m, "error") == 1 and metric(m, "qwen3_kv_blocks_used") == 0
+    finally:
+        engine.shutdown()
+
+
 # ---- metrics, disconnects ---------------------------------------------------------------------
 
 def test_metrics_move_with_a_request(server, client):

@@ -676,6 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", help="results file serve_<tag>.json (default: size or model folder, "
                                  "+ _<workload> unless nano-vllm)")
     p.add_argument("--no-gpu-clocks", action="store_true")
+    p.add_argument("--allow-reference", action="store_true",
+                   help="run on a CUDA device even when the qwen3_kernels extension is not loaded")
     p.add_argument("--results-dir", default=None,
                    help="where results/serve_<tag>.json goes (default: benchmarks/results)")
     p.add_argument("--offline-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -691,6 +693,23 @@ def main(argv=None) -> dict:
     if args.url and not args.model and not args.no_baseline:
         p.error("--url with the baseline needs --model (the checkpoint the server runs)")
     engine_args, server_args = shlex.split(args.engine_args), shlex.split(args.server_args)
+    from qwen3_model.__main__ import build_parser as generate_parser
+
+    try:  # the engine flags, checked before any engine loads
+        device = generate_parser().parse_args(["--model", "x", *engine_args]).device
+    except SystemExit:
+        p.error(f"--engine-args: not the generate CLI's engine flags: {args.engine_args!r}")
+    if not args.url and device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            import qwen3_kernels
+
+            if not qwen3_kernels.has_cuda_kernels() and not args.allow_reference:
+                # the reference path on a GPU says nothing about this engine (bench_engine's rule)
+                p.error("the qwen3_kernels CUDA extension is not loaded "
+                        f"({qwen3_kernels.cuda_kernels_import_error()}); build it "
+                        "(pip install --no-build-isolation -e .) or pass --allow-reference")
     wl = WORKLOADS[args.workload]
     input_lens = tuple(args.input_lens or wl["input_lens"])
     output_lens = tuple(args.output_lens or wl["output_lens"])

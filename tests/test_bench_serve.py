@@ -253,3 +253,18 @@ def test_end_to_end_demo(bench, tmp_path):
     report.main(["--results-dir", str(results), "--results-md", str(md), "--no-readme",
                  "--plots-dir", str(tmp_path / "plots")])
     assert (tmp_path / "plots" / "serve.png").stat().st_size > 10_000
+
+
+def test_refuses_gpu_without_the_extension_and_bad_engine_flags(bench, monkeypatch, capsys):
+    import torch
+
+    import qwen3_kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(qwen3_kernels, "has_cuda_kernels", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--size", "demo"])
+    assert exc.value.code == 2 and "--allow-reference" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--size", "demo", "--engine-args", "--no-such-flag 3"])
+    assert exc.value.code == 2 and "--engine-args" in capsys.readouterr().err

@@ -241,6 +241,24 @@ def test_token_id_prompts_and_several_prompts(client, ref):
         assert r.usage.completion_tokens == 15
 
 
+def test_several_prompts_stream(server, ref):
+    prompts = ["first", "the second one"]
+    want = offline(ref, prompts, temperature=0, max_tokens=6, ignore_eos=True)
+    events = read_sse(server, C, comp(prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                      ignore_eos=True))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    text, reasons = {0: "", 1: ""}, {0: [], 1: []}
+    for ch in chunks[:-1]:
+        (c,) = ch["choices"]
+        text[c["index"]] += c["text"]
+        reasons[c["index"]].append(c["finish_reason"])
+    for i in (0, 1):
+        assert text[i] == want[i].text
+        assert reasons[i][-1] == "length" and not any(reasons[i][:-1]), reasons[i]
+
+
 def test_echo(client, ref):
     prompt = "Echo me"
     want = offline(ref, [prompt], temperature=0, max_tokens=5)[0]
@@ -551,6 +569,7 @@ def test_overload_gives_503_and_recovers(small_server, ckpt):
     assert json.loads(data)["data"][0]["id"] == ckpt  # no --served-model-name: --model as given
     long_req = dict(model=ckpt, prompt="x", max_tokens=350, temperature=0, ignore_eos=True,
                     stream=True)
+    before = wait_for(lambda: samples_idle(srv), 10, "server idle")
     running = SSEStream(srv, C, long_req)
     waiting = None
     try:
@@ -570,7 +589,8 @@ def test_overload_gives_503_and_recovers(small_server, ckpt):
         running.close()
         if waiting is not None:
             waiting.close()
-    wait_for(lambda: samples_idle(srv), 10, "both long requests aborted")
+    after = wait_for(lambda: samples_idle(srv), 10, "both long requests aborted")
+    assert finished(after, "abort") - finished(before, "abort") == 2
     status, body = post_json(srv, C, {"model": ckpt, "prompt": "hi", "max_tokens": 3})
     assert status == 200, body
     # a prompt + max_tokens that can never fit the KV cache

@@ -529,7 +529,10 @@ def log_tail(path: Path | None, lines: int = 40) -> str:
 def start_server(model: str, port: int, dummy: bool, engine_args: list[str],
                  server_args: list[str], max_waiting: int, log_path: Path):
     cmd = [sys.executable, "-m", "qwen3_model", "serve", "--model", model, "--host",
-           "127.0.0.1", "--port", str(port), "--max-waiting-requests", str(max_waiting)]
+           "127.0.0.1", "--port", str(port)]
+    # every request of a saturation run may wait at once: never a 503 for that (the server's
+    # default, 1024, is kept when it is larger)
+    cmd += ["--max-waiting-requests", str(max(max_waiting, 1024))]
     if dummy:
         cmd += ["--load-format", "dummy"]
     cmd += engine_args + server_args

@@ -369,6 +369,15 @@ ERRORS = {
     "prompt_type": (C, comp(prompt=5), 400, "prompt"),
     "stop_type": (C, comp(stop=5), 400, "stop"),
     "stream_type": (C, comp(stream="yes"), 400, "stream"),
+    "echo_type": (C, comp(echo="yes"), 400, "echo"),
+    "seed_type": (C, comp(seed="1"), 400, "seed"),
+    "top_k_type": (C, comp(top_k=1.5), 400, "top_k"),
+    "logprobs_type": (C, comp(logprobs=True), 400, "logprobs"),
+    "stop_item_type": (C, comp(stop=[1, 2]), 400, "stop"),
+    "message_without_content": (CH, chat(messages=[{"role": "user"}]), 400, "messages"),
+    "message_content_type": (CH, chat(messages=[{"role": "user", "content": 5}]), 400,
+                             "messages"),
+    "chat_logprobs_type": (CH, chat(logprobs=3), 400, "logprobs"),
     "temperature_negative": (C, comp(temperature=-1), 400, "temperature"),
     "top_p_zero": (C, comp(top_p=0), 400, "top_p"),
     "n_2": (C, comp(n=2), 400, "n"),
@@ -421,6 +430,12 @@ def test_unknown_fields_are_ignored_and_nulls_are_defaults(server):
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant", body
     # an int where a float is expected is a number, not a wrong type
     status, body = post_json(server, C, comp(temperature=1, top_p=1, min_p=0))
+    assert status == 200, body
+    # the neutral values of what is not supported are accepted (SDKs send them)
+    neutral = dict(temperature=0, n=1, presence_penalty=0, frequency_penalty=0, logit_bias={})
+    status, body = post_json(server, C, comp(**neutral, best_of=1))
+    assert status == 200, body
+    status, body = post_json(server, CH, chat(**neutral))
     assert status == 200, body
 
 

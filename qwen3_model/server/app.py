@@ -316,10 +316,14 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
                         ids, lps = choice.add(d, visible)
                         lp = (P.chat_logprobs(lps, ids, text_of)
                               if req.logprobs is not None else None)
-                        delta = {"content": d.text} if d.text or not d.finished else {}
-                        yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name, [
-                            {"index": 0, "delta": delta, "logprobs": lp,
-                             "finish_reason": d.finish_reason}], now))
+                        if d.text or lp is not None or not d.finished:
+                            yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name,
+                                                  [{"index": 0, "delta": {"content": d.text},
+                                                    "logprobs": lp, "finish_reason": None}], now))
+                        if d.finished:  # (the finish reason in a chunk of its own, as OpenAI's)
+                            yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name,
+                                                  [{"index": 0, "delta": {}, "logprobs": None,
+                                                    "finish_reason": d.finish_reason}], now))
                     yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name, [],
                                           now, usage=P.usage(len(ids_), choice.num_tokens)))
                 except Exception as e:  # noqa: BLE001 - the stream ends with the error

@@ -35,6 +35,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 if ! python3 -c "import cutlass_library" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || exit 1
 fi
+# the server's (FastAPI, uvicorn) and its tests' (openai) wheels, carried in .whl/ likewise
+# (`pip download fastapi uvicorn openai -d .whl --only-binary=:all: --python-version 3.12`)
+if ! python3 -c "import fastapi, uvicorn, openai" 2>/dev/null && ls .whl/fastapi-*.whl >/dev/null 2>&1
+then
+  python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn openai || exit 1
+fi
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   start=$(date +%s)
   MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install --no-build-isolation --no-deps -e . \

@@ -17,9 +17,10 @@ import pytest
 from qwen3_model import LLM, SamplingParams
 from qwen3_model.engine.async_llm import AsyncLLM
 from qwen3_model.engine.detokenizer import Detokenizer
+from qwen3_model.random_checkpoint import write_random_checkpoint
 from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
-from tests.server_fixtures import BS, write_demo_checkpoint
 
+BS = 16  # KV block size
 ENGINE = dict(device="cpu", kvcache_block_size=BS, max_model_len=1024, num_kvcache_blocks=192,
               max_num_seqs=16)
 BOUND_S = 60  # no test's event loop runs longer than this
@@ -27,7 +28,9 @@ BOUND_S = 60  # no test's event loop runs longer than this
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("async_ckpt"))
+    path = tmp_path_factory.mktemp("async_ckpt")
+    write_random_checkpoint(path, "demo")  # 4 layers, hidden 128, vocab 512, char tokenizer
+    return str(path)
 
 
 @pytest.fixture(scope="module")

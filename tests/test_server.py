@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-pytest.register_assert_rewrite("tests.server_fixtures")  # (before its import: it is a plugin too)
-
 from qwen3_model import LLM, SamplingParams
 from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
-from tests.server_fixtures import (BS, ServerProcess, SSEStream, metric, metrics, post_json,
-                                   read_sse, request, wait_for, write_demo_checkpoint)
+
+pytest.register_assert_rewrite("tests.server_fixtures")  # (before its import: a plugin too)
+from tests.server_fixtures import (BS, ServerProcess, SSEStream, metric, metrics,  # noqa: E402
+                                   post_json, read_sse, request, wait_for, write_demo_checkpoint)
 
 pytest_plugins = ["tests.server_fixtures"]  # a failing test's report shows the servers' logs
 

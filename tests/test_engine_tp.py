@@ -346,3 +346,44 @@ def test_rank0_wait_polls_the_workers_and_returns_or_raises():
     with pytest.raises(RuntimeError, match="worker rank 1 died"):
         ModelRunner._wait_watched(types.SimpleNamespace(tp_watch=dies), Event(10**12))
     assert time.monotonic() - t0 < 5
+
+
+def test_online_engine_at_tp2_serves_concurrent_requests_as_transformers(ckpt, one_thread):
+    """AsyncLLM over TP 2: rank 0's loop thread drives the worker; requests arriving at once
+    and one aborted midway; greedy tokens equal transformers', the aborted one's blocks freed,
+    and shutdown leaves no process."""
+    import asyncio
+
+    from qwen3_model.engine.async_llm import AsyncLLM
+
+    path, cfg, hf = ckpt
+    engine = AsyncLLM(path, tensor_parallel_size=2, kvcache_block_size=16, max_num_seqs=4,
+                      max_num_batched_tokens=24, device="cpu")
+    pids = worker_pids(engine.engine)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def one(prompt):
+        return [t async for d in engine.generate_async(prompt, sp) for t in d.token_ids]
+
+    async def aborted():
+        rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=500,
+                                                            ignore_eos=True))
+        async for d in engine.outputs(rid):
+            if d.token_ids:
+                engine.abort_request(rid)
+            if d.finished:
+                return d.finish_reason
+
+    async def main():
+        return await asyncio.wait_for(
+            asyncio.gather(aborted(), *[one(p) for p in PROMPTS]), timeout=120)
+
+    try:
+        reason, *outs = asyncio.run(main())
+        assert reason == "abort"
+        for p, toks in zip(PROMPTS, outs):
+            assert toks == hf_greedy(hf, p, 8)
+        assert engine.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
+    assert_no_process_left(pids)

@@ -229,9 +229,9 @@ class AsyncLLM:
             req.seq = self.engine.add_request(req.ids, req.params)
             self._by_seq[req.seq.seq_id] = req
         out = []
-        for rid in aborts:
+        for rid in dict.fromkeys(aborts):  # (a request may be aborted twice before this runs)
             req = self._requests.get(rid)
-            if req is None or req.seq is None:
+            if req is None or req.seq is None or req.seq.is_finished:
                 continue
             self.engine.scheduler.abort(req.seq)
             out.append((req, StreamDelta(0, [], "", True, "abort")))

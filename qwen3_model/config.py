@@ -20,7 +20,9 @@ TP_ALL_REDUCE_CHOICES = ("auto", "custom", "nccl")
 
 @dataclass(slots=True)
 class Config:
-    model: str  # a Hugging Face Qwen3 checkpoint folder
+    # a Hugging Face Qwen3 checkpoint folder, or a Hub repo id "org/name[@revision]" (resolved to
+    # its snapshot folder in the HF cache, downloaded if need be: qwen3_model/hub.py)
+    model: str
     max_num_batched_tokens: int = 16384  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 512  # sequences running at once
     max_model_len: int = 4096  # prompt + output, capped by the checkpoint's max_position_embeddings
@@ -58,6 +60,9 @@ class Config:
     hf_config: object = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     eos_token_ids: tuple[int, ...] = ()  # empty: from generation_config.json / config.json
+    # ``model`` as given (a repo id or a folder), for display and the served model name; ``model``
+    # itself becomes the checkpoint folder
+    model_id: str = field(default="", init=False)
 
     def __post_init__(self):
         def bad(name, expected):
@@ -68,9 +73,9 @@ class Config:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(name, "an integer >= 1")
 
-        if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
-            bad("model", "a checkpoint folder that exists")
-        self.model = os.fspath(self.model)
+        if not isinstance(self.model, (str, os.PathLike)):
+            bad("model", "a checkpoint folder or a Hugging Face repo id")
+        self.model_id = self.model = os.fspath(self.model)
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                      "tensor_parallel_size", "max_cudagraph_batch_size"):
             pos_int(name)
@@ -107,6 +112,15 @@ class Config:
             bad("device", "'auto', 'cuda' or 'cpu'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("LLM: device='cuda' but torch sees no CUDA device")
+
+        if not os.path.isdir(self.model):  # after the checks above: a download can take a while
+            from qwen3_model.hub import parse_repo_id, snapshot_folder
+
+            repo = parse_repo_id(self.model)
+            if repo is None:
+                bad("model", "a checkpoint folder that exists or a Hugging Face repo id "
+                             "'org/name' (optionally 'org/name@revision')")
+            self.model = snapshot_folder(*repo)
 
         from qwen3_model.loader import load_hf_config
 
@@ -151,4 +165,5 @@ class Config:
 
     @staticmethod
     def field_names() -> list[str]:
-        return [f.name for f in fields(Config) if f.name not in ("hf_config", "torch_dtype")]
+        derived = ("hf_config", "torch_dtype", "model_id")
+        return [f.name for f in fields(Config) if f.name not in derived]

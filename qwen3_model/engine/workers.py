@@ -120,8 +120,10 @@ def start_workers(model: str, kwargs: dict, config: Config, world: int) -> list:
     try:
         for rank in range(1, world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_tp_worker, args=(model, kwargs, rank, world, port, child),
-                               daemon=True)
+            # config.model: the folder rank 0 resolved (a Hub repo id is looked up once, so every
+            # rank loads the same snapshot)
+            proc = ctx.Process(target=_tp_worker,
+                               args=(config.model, kwargs, rank, world, port, child), daemon=True)
             proc.start()
             child.close()  # the worker holds the only other end: its exit makes recv() fail
             workers.append((proc, parent))

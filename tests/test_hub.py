@@ -182,3 +182,54 @@ def test_download_fetches_the_engines_files_only(checkpoints):
         assert not wanted(name), name
     for name in ["merges.txt", "vocab.json", "tokenizer.model", "model-00001-of-00002.safetensors"]:
         assert wanted(name), name
+
+
+def hub_error(cls, status: int, message: str):
+    import httpx
+
+    request = httpx.Request("GET", f"https://huggingface.co/api/models/{REPO}")
+    return cls(message, response=httpx.Response(status, request=request))
+
+
+def test_online_download_and_hub_refusals(monkeypatch, checkpoints):
+    """Online (a stand-in for snapshot_download: no network): the engine's file patterns are
+    asked for, and each refusal of the Hub is one line naming the id and what to do."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub import errors as hf
+
+    from qwen3_model.hub import ALLOW_PATTERNS, snapshot_folder
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    calls, raising = [], []
+
+    def fake_snapshot_download(repo_id, **kw):
+        calls.append((repo_id, kw))
+        if raising:
+            raise raising[0]
+        return str(checkpoints["snapshots"]["main"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert snapshot_folder(REPO, "v1") == str(checkpoints["snapshots"]["main"])
+    assert calls == [(REPO, dict(revision="v1", allow_patterns=ALLOW_PATTERNS,
+                                 local_files_only=False))]
+    for error, expected in [
+        (hub_error(hf.RepositoryNotFoundError, 404, "404 Client Error.\nRepository Not Found"),
+         f"no repo {REPO} (or a private one: log in with `hf auth login` or set HF_TOKEN)"),
+        (hub_error(hf.GatedRepoError, 403, "403 Client Error.\nCannot access gated repo"),
+         f"{REPO} is gated: accept its terms on huggingface.co, then log in"),
+        (hub_error(hf.HfHubHTTPError, 401, "401 Client Error: Unauthorized"), "log in with"),
+        (hub_error(hf.RevisionNotFoundError, 404, "404 Client Error.\nRevision Not Found"),
+         f"{REPO} has no revision 'v1'"),
+        (hub_error(hf.HfHubHTTPError, 500, "500 Server Error\nsome detail"),
+         "HfHubHTTPError: 500 Server Error"),
+        (hf.LocalEntryNotFoundError("Cannot find ... check your internet connection"),
+         "nor in the Hugging Face cache"),
+    ]:
+        raising[:] = [error]
+        with pytest.raises(CheckpointError) as e:
+            snapshot_folder(REPO, "v1")
+        msg = str(e.value)
+        assert msg.startswith(f"model '{REPO}@v1'") and "\n" not in msg, msg
+        assert expected in msg, (expected, msg)
+    assert "the Hub could not be reached" in msg

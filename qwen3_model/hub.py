@@ -21,8 +21,8 @@ def parse_repo_id(model: str) -> tuple[str, str | None] | None:
     """``(repo_id, revision)`` for "org/name" or "org/name@revision", else None."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    repo_id, _, revision = model.partition("@")
-    if repo_id.count("/") != 1 or (_ and not revision):
+    repo_id, at, revision = model.partition("@")
+    if repo_id.count("/") != 1 or (at and not revision):
         return None
     try:
         validate_repo_id(repo_id)

@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts to complete")
     p.add_argument("--model", help="Hugging Face Qwen3 checkpoint folder (config.json, "
-                   "*.safetensors, tokenizer files); omit for the random-weight demo")
+                   "*.safetensors, tokenizer files) or Hub repo id ORG/NAME[@REVISION] "
+                   "(downloaded to the HF cache; HF_HUB_OFFLINE=1: the cache only); omit for "
+                   "the random-weight demo")
     p.add_argument("--prompts-file", help="file with one prompt per line ('-' for stdin)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message in the checkpoint's chat template")

@@ -100,7 +100,7 @@ class LLMEngine:
             if dist.is_initialized():
                 raise RuntimeError("LLM: a torch.distributed process group already exists in "
                                    "this process; tensor_parallel_size > 1 makes its own")
-            self._workers = start_workers(model, kwargs, config, world)
+            self._workers = start_workers(kwargs, config, world)
         self._stopped: str | None = None  # why the tensor-parallel workers are gone, once they are
         try:
             self.model_runner = ModelRunner(config, rank=0)

@@ -109,7 +109,7 @@ def _exit_when_orphaned(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, daemon=True, name="qwen3-tp-orphan-watch").start()
 
 
-def start_workers(model: str, kwargs: dict, config: Config, world: int) -> list:
+def start_workers(kwargs: dict, config: Config, world: int) -> list:
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

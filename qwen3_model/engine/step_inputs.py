@@ -135,7 +135,9 @@ class StepInputs:
     uses: block_size, max_blocks_per_seq, the staging buffers, the decode graphs' buffers)."""
 
     def _to_device(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
+        t = torch.as_tensor(data, dtype=dtype)  # (lists and numpy arrays alike)
+        if self.use_cuda:
+            t = t.pin_memory()  # a copy: the non-blocking copy below may outlive ``data``
         return t.to(self.device, non_blocking=True)
 
 

@@ -56,6 +56,9 @@ class Config:
     # bf16 / fp16, 2..8 ranks), "nccl" (torch.distributed: NCCL on GPUs, gloo on CPU), or
     # "auto": custom where it can run, else nccl (qwen3_model/distributed.py)
     tp_all_reduce: str = "auto"
+    # tensor parallel: a step that a worker has not answered for this many seconds fails, naming
+    # the worker, and every process is stopped (a worker alive but stuck, e.g. SIGSTOPped)
+    tp_step_timeout: float = 30.0
     # filled in __post_init__
     hf_config: object = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
@@ -102,6 +105,9 @@ class Config:
             bad("scheduling_policy", f"one of {SCHEDULING_POLICIES}")
         if not isinstance(self.overlap_steps, bool):
             bad("overlap_steps", "True or False")
+        if (not isinstance(self.tp_step_timeout, (int, float)) or isinstance(self.tp_step_timeout, bool)
+                or not 0 < self.tp_step_timeout < float("inf")):
+            bad("tp_step_timeout", "a number of seconds > 0")
         if self.tp_all_reduce not in TP_ALL_REDUCE_CHOICES:
             bad("tp_all_reduce", f"one of {TP_ALL_REDUCE_CHOICES}")
         if self.load_format not in ("auto", "dummy"):

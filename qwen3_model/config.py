@@ -105,8 +105,8 @@ class Config:
             bad("scheduling_policy", f"one of {SCHEDULING_POLICIES}")
         if not isinstance(self.overlap_steps, bool):
             bad("overlap_steps", "True or False")
-        if (not isinstance(self.tp_step_timeout, (int, float)) or isinstance(self.tp_step_timeout, bool)
-                or not 0 < self.tp_step_timeout < float("inf")):
+        t = self.tp_step_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
             bad("tp_step_timeout", "a number of seconds > 0")
         if self.tp_all_reduce not in TP_ALL_REDUCE_CHOICES:
             bad("tp_all_reduce", f"one of {TP_ALL_REDUCE_CHOICES}")

@@ -6,7 +6,7 @@ its caller as they come.
     async for delta in engine.generate_async("Hello", SamplingParams(max_tokens=32)):
         print(delta.text, end="")            # StreamDelta per step; the last has finished=True
     rid = engine.add_request([1, 2, 3], params)         # from any thread; validated at once
-    engine.abort_request(rid)                           # its KV blocks are freed before the next step
+    engine.abort_request(rid)                   # its KV blocks are freed before the next step
     engine.shutdown(drain_timeout=10)
 
 The loop thread runs ``LLMEngine._steps`` (the offline engine's step loop, step overlap included)

@@ -128,23 +128,72 @@ class Config:
                              "'org/name' (optionally 'org/name@revision')")
             self.model = snapshot_folder(*repo)
 
-        from qwen3_model.loader import load_hf_config
+        from qwen3_model.loader import config_fields, load_hf_config, read_config
 
+        raw = read_config(self.model)  # sizes checked for sign and range
+        max_position = config_fields(raw, "config.json")["max_position_embeddings"]
+        self.max_model_len = min(self.max_model_len, max_position)
+        self.torch_dtype = self._resolve_dtype(raw)
+        # before transformers builds its config (10**6 layers take it seconds) and long before
+        # the model: against the whole device (no CUDA context made here: TP workers run this
+        # before they pick their GPU); ModelRunner checks again against the free memory
+        self.check_memory(torch.device(self.device), free=False)
         self.hf_config = load_hf_config(self.model)
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        self.torch_dtype = self._resolve_dtype()
         if not self.eos_token_ids:
             self.eos_token_ids = self._find_eos_ids()
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
 
-    def _resolve_dtype(self) -> torch.dtype:
+    def kv_tokens_counted(self) -> int:
+        """The KV cache the memory check counts: num_kvcache_blocks if given, else one
+        max_model_len sequence (the least that serves any request)."""
+        if self.num_kvcache_blocks > 0:
+            return self.num_kvcache_blocks * self.kvcache_block_size
+        return -(-self.max_model_len // self.kvcache_block_size) * self.kvcache_block_size
+
+    def check_memory(self, device: torch.device, free: bool = True) -> None:
+        """Refuse a model (weights at torch_dtype + rope table + ``kv_tokens_counted``) that
+        cannot fit on ``device`` (qwen3_model/memory.py), before anything is allocated; a
+        CheckpointError naming config.json's sizes, or a ValueError naming num_kvcache_blocks
+        where the weights alone would fit."""
+        from qwen3_model.loader import CheckpointError, config_fields, read_config
+        from qwen3_model.memory import describe, device_budget, model_need
+
+        config_file = os.path.join(self.model, "config.json")
+        raw = self.hf_config.to_dict() if self.hf_config is not None else read_config(self.model)
+        fields = config_fields(raw, config_file)
+        tp = self.tensor_parallel_size
+        budget = device_budget(device, self.gpu_memory_utilization, free=free)
+        if budget is None:
+            return
+        need = model_need(fields, self.torch_dtype, tp, self.kv_tokens_counted())
+        # CPU ranks share the machine's RAM
+        sharing = tp if device.type == "cpu" else 1
+        if need.total * sharing <= budget.usable:
+            return
+        where = "the machine" if device.type == "cpu" else "the GPU"
+        if (need.total - need.kv) * sharing <= budget.usable and self.num_kvcache_blocks > 0:
+            raise ValueError(
+                f"LLM: num_kvcache_blocks={self.num_kvcache_blocks} needs "
+                f"{need.kv * sharing / 2**30:,.1f} GiB of KV cache on top of the model's "
+                f"{(need.total - need.kv) * sharing / 2**30:,.1f} GiB; {budget.what}: "
+                f"lower num_kvcache_blocks (-1 sizes it to {where})")
+        sizes = ", ".join(f"{k}={fields[k]:,}" for k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
+            "max_position_embeddings"))
+        tp_note = f" and tensor_parallel_size={tp}" if tp > 1 else ""
+        raise CheckpointError(
+            f"{config_file}: the model needs {describe(need, self.torch_dtype, tp)}"
+            f"{f' on each of {tp} ranks sharing its RAM' if sharing > 1 else ''}; "
+            f"{budget.what} ({sizes}; dtype {str(self.torch_dtype).removeprefix('torch.')}"
+            f"{tp_note})")
+
+    def _resolve_dtype(self, raw: dict) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
             dt = self.dtype
         elif self.dtype == "auto":
             if self.device == "cpu":
                 return torch.float32  # the CPU path runs the fp32 reference ops anyway
-            hf = self.hf_config
-            ckpt = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+            ckpt = raw.get("dtype") or raw.get("torch_dtype")
             ckpt = _DTYPES.get(ckpt, ckpt) if isinstance(ckpt, str) else ckpt
             return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
         elif isinstance(self.dtype, str) and self.dtype in _DTYPES:

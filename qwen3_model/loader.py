@@ -29,8 +29,9 @@ class CheckpointError(ValueError):
     """A checkpoint folder this model cannot load; the message names the file or tensor."""
 
 
-def load_hf_config(path: str | os.PathLike):
-    """Read and check ``path/config.json``; returns a transformers ``Qwen3Config``."""
+def read_config(path: str | os.PathLike) -> dict:
+    """Read and check ``path/config.json`` without transformers: the architecture, and every size
+    the model is built from (``config_fields``). Returns the JSON object as stored."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist or is not a "
@@ -40,9 +41,16 @@ def load_hf_config(path: str | os.PathLike):
         raise CheckpointError(f"no config.json in {str(path)!r}: expected a Hugging Face "
                               "checkpoint folder")
     try:
-        raw = json.loads(config_file.read_text())
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{config_file} is not UTF-8 text: {e}") from e
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"{config_file} cannot be read: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got "
+                              f"{type(raw).__name__}")
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -55,12 +63,88 @@ def load_hf_config(path: str | os.PathLike):
         raise CheckpointError(
             f"{config_file}: architectures is {archs}, expected {list(SUPPORTED_ARCHITECTURES)}"
         )
+    config_fields(raw, config_file)
+    return raw
+
+
+# the sizes the model is built from: integers >= 1 (head_dim: or absent / null)
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim",
+               "max_position_embeddings")
+
+
+def _qwen3_defaults() -> dict:
+    """Qwen3Config's defaults for the fields a config.json may leave out."""
+    import inspect
+
+    from transformers import Qwen3Config
+
+    params = inspect.signature(Qwen3Config.__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+def _rope_theta(fields: dict):
+    for key in ("rope_parameters", "rope_scaling"):
+        params = fields.get(key)
+        if isinstance(params, dict) and "rope_theta" in params:
+            return params["rope_theta"]
+    return fields.get("rope_theta", 10000.0)
+
+
+def config_fields(raw: dict, where) -> dict:
+    """The model's sizes from a config.json object (Qwen3Config's defaults for those left out,
+    head_dim resolved), each checked for type, sign and range; a CheckpointError naming ``where``
+    and the field otherwise. Cheap whatever the values (nothing is allocated)."""
+    fields = {**_qwen3_defaults(), **raw}
+
+    def bad(name, expected):
+        raise CheckpointError(f"{where}: {name} must be {expected}, got {fields.get(name)!r}")
+
+    for name in SIZE_FIELDS:
+        v = fields.get(name)
+        if name == "head_dim" and v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            bad(name, "an integer >= 1")
+    if fields.get("head_dim") is None:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+        if fields["head_dim"] < 1:
+            raise CheckpointError(
+                f"{where}: head_dim is not given and hidden_size // num_attention_heads "
+                f"({fields['hidden_size']} // {fields['num_attention_heads']}) is 0")
+    if fields["head_dim"] % 2:
+        bad("head_dim", "even (rotary embedding rotates pairs)")
+    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
+    if heads % kv:
+        raise CheckpointError(f"{where}: num_attention_heads ({heads}) must be a multiple of "
+                              f"num_key_value_heads ({kv})")
+    eps = fields.get("rms_norm_eps")
+    if not _is_number(eps) or not 0 < eps < 1:
+        bad("rms_norm_eps", "a number in (0, 1)")
+    theta = _rope_theta(fields)
+    if not _is_number(theta) or not 0 < theta < float("inf"):
+        raise CheckpointError(f"{where}: rope_theta must be a finite number > 0, got {theta!r}")
+    return fields
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # (not NaN)
+
+
+def load_hf_config(path: str | os.PathLike):
+    """Read and check ``path/config.json`` (``read_config``); returns a transformers
+    ``Qwen3Config``, its values checked again as transformers resolved them."""
+    path = Path(path)
+    read_config(path)
+    config_file = path / "config.json"
     from transformers import Qwen3Config
 
     try:
-        return Qwen3Config.from_pretrained(str(path))
+        cfg = Qwen3Config.from_pretrained(str(path))
     except Exception as e:  # transformers validates field values (e.g. layer_types vs layers)
         raise CheckpointError(f"{config_file}: transformers rejects this Qwen3 config: {e}") from e
+    config_fields(cfg.to_dict(), config_file)
+    return cfg
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:

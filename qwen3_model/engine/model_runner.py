@@ -114,6 +114,8 @@ class ModelRunner(StepInputs, CudaGraphs):
         if self.use_cuda:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        # the weights + a minimal KV cache against this device's free memory, before building
+        config.check_memory(self.device)
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
@@ -216,6 +218,7 @@ class ModelRunner(StepInputs, CudaGraphs):
             n = torch.tensor([num_blocks], device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             num_blocks = int(n.item())
+        self._check_kv_fits(num_blocks)
         if num_blocks < 1:
             raise RuntimeError(
                 f"no room for the KV cache: one block needs {self.block_bytes() / 2**20:.1f} MiB; "
@@ -224,6 +227,33 @@ class ModelRunner(StepInputs, CudaGraphs):
             )
         self._set_kv_cache(num_blocks)
         return num_blocks
+
+    def _check_kv_fits(self, num_blocks: int) -> None:
+        """A KV cache of ``num_blocks`` (num_kvcache_blocks, or sized from cpu_kvcache_gib) that
+        cannot fit in the device's free memory (CUDA) or the machine's RAM (CPU) is refused with
+        the bytes it needs, before the allocation is tried."""
+        from qwen3_model.memory import GiB, physical_ram
+
+        need = num_blocks * self.block_bytes()
+        if self.use_cuda:
+            if self.config.num_kvcache_blocks < 1:
+                return  # sized from the free memory itself
+            have = torch.cuda.mem_get_info(self.device)[0]
+            what = f"the GPU {self.device} has {have / GiB:,.1f} GiB free"
+            knob = "num_kvcache_blocks"
+        else:
+            have = physical_ram()
+            if have is None:
+                return
+            have //= self.world_size  # the CPU ranks share the machine's RAM
+            what = (f"the machine has {have * self.world_size / GiB:,.1f} GiB of RAM"
+                    + (f" for {self.world_size} ranks" if self.world_size > 1 else ""))
+            knob = ("num_kvcache_blocks" if self.config.num_kvcache_blocks > 0
+                    else "cpu_kvcache_gib")
+        if need > have:
+            raise ValueError(
+                f"LLM: a KV cache of {num_blocks:,} blocks of {self.block_size} tokens needs "
+                f"{need / GiB:,.1f} GiB ({need:,} bytes); {what}: lower {knob}")
 
     def _blocks_from_free_memory(self) -> int:
         """KV blocks that fit in gpu_memory_utilization of the GPU, after the peak of a warm-up

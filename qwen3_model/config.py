@@ -156,7 +156,7 @@ class Config:
         CheckpointError naming config.json's sizes, or a ValueError naming num_kvcache_blocks
         where the weights alone would fit."""
         from qwen3_model.loader import CheckpointError, config_fields, read_config
-        from qwen3_model.memory import describe, device_budget, model_need
+        from qwen3_model.memory import describe, device_budget, model_need, size
 
         config_file = os.path.join(self.model, "config.json")
         raw = self.hf_config.to_dict() if self.hf_config is not None else read_config(self.model)
@@ -174,8 +174,8 @@ class Config:
         if (need.total - need.kv) * sharing <= budget.usable and self.num_kvcache_blocks > 0:
             raise ValueError(
                 f"LLM: num_kvcache_blocks={self.num_kvcache_blocks} needs "
-                f"{need.kv * sharing / 2**30:,.1f} GiB of KV cache on top of the model's "
-                f"{(need.total - need.kv) * sharing / 2**30:,.1f} GiB; {budget.what}: "
+                f"{size(need.kv * sharing)} of KV cache on top of the model's "
+                f"{size((need.total - need.kv) * sharing)}; {budget.what}: "
                 f"lower num_kvcache_blocks (-1 sizes it to {where})")
         sizes = ", ".join(f"{k}={fields[k]:,}" for k in (
             "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",

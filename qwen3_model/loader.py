@@ -11,6 +11,7 @@ beyond the model itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -193,25 +194,61 @@ def _checkpoint_names(param_name: str, shard_ids, packed: dict) -> list[str]:
     return out
 
 
-@torch.no_grad()
-def load_model(model: nn.Module, path: str | os.PathLike) -> None:
-    """Fill every parameter of ``model`` from the safetensors in ``path`` (this rank's slices).
+# what a checkpoint tensor may be stored as: cast to the parameter's dtype on load. Anything else
+# (integers, bool, fp8 without its scales) is refused, never cast silently.
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    Errors (CheckpointError, naming the tensor): a tensor the model has no place for, a tensor of
-    the wrong shape, a tensor found twice, a parameter the checkpoint does not provide.
-    With tied embeddings a stored ``lm_head.weight`` is skipped: the head reads the embedding.
-    """
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    """safe_open(file), its failures (truncated, garbage, unreadable) a CheckpointError naming
+    the file."""
     from safetensors import safe_open
 
+    try:
+        f = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors' own error type, OSError
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from e
+    with f:
+        yield f
+
+
+def _read_tensor(f, name: str, file: Path) -> torch.Tensor:
+    try:
+        tensor = f.get_tensor(name)
+    except Exception as e:  # data past the end of a truncated file, a dtype torch lacks
+        raise CheckpointError(f"tensor {name!r} in {file}: cannot be read: {e}") from e
+    if tensor.dtype not in LOADABLE_DTYPES:
+        raise CheckpointError(
+            f"tensor {name!r} in {file}: dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            f"expected one of {[str(d).removeprefix('torch.') for d in LOADABLE_DTYPES]} "
+            "(quantized or integer checkpoints are not supported)")
+    return tensor
+
+
+@torch.no_grad()
+def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = True) -> None:
+    """Fill every parameter of ``model`` from the safetensors in ``path`` (this rank's slices).
+
+    Errors (CheckpointError, naming the file and the tensor): a file that is not safetensors or is
+    truncated, a tensor the model has no place for, of the wrong shape, of a dtype that is not
+    floating point (``LOADABLE_DTYPES``), found twice, or holding NaN / Inf (``check_finite``); a
+    parameter the checkpoint does not provide.
+    With tied embeddings a stored ``lm_head.weight`` is skipped: the head reads the embedding.
+
+    The NaN / Inf check reduces each parameter on its device (one min / max) and reads all the
+    results at once at the end: one synchronisation per load.
+    """
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     # parameter name -> shard ids still expected ({None} for a plain parameter)
     pending = {n: set(getattr(p, "shard_ids", (None,))) for n, p in params.items()}
     seen: dict[str, str] = {}
+    sources: dict[str, list[tuple[str, Path]]] = {}  # parameter -> its checkpoint tensors
 
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
@@ -234,7 +271,7 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                         f"{_checkpoint_names(pname, set(param.shard_ids), packed)}; "
                         "expected those tensors"
                     )
-                tensor = f.get_tensor(name)
+                tensor = _read_tensor(f, name, file)
                 try:
                     if shard_id is None:
                         if loader is None:
@@ -246,9 +283,10 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                             loader(param, tensor)
                     else:
                         loader(param, tensor, shard_id)
-                except ValueError as e:
+                except (ValueError, RuntimeError) as e:  # RuntimeError: a copy_ of other shape
                     raise CheckpointError(f"tensor {name!r} in {file.name}: {e}") from e
                 pending[pname].discard(shard_id)
+                sources.setdefault(pname, []).append((name, file))
                 del tensor
 
     missing = [
@@ -262,3 +300,35 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
         shown = ", ".join(repr(m) for m in missing[:8]) + more
         raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} tensor(s): "
                               f"{shown}")
+    if check_finite:
+        _check_finite(params, sources)
+
+
+def _check_finite(params: dict[str, nn.Parameter],
+                  sources: dict[str, list[tuple[str, Path]]]) -> None:
+    """Refuse NaN / Inf in any loaded parameter, naming the first checkpoint tensor that has one.
+
+    Each parameter is reduced to its (min, max) on its own device (NaN propagates through both;
+    an Inf is the min or the max), the results stacked, and read back once."""
+    names = [n for n, p in params.items() if p.numel()]
+    if not names:
+        return
+    extremes = torch.stack([torch.stack(params[n].aminmax()).float() for n in names])
+    finite = extremes.isfinite().all(dim=1).tolist()  # the one synchronisation
+    for name, ok in zip(names, finite):
+        if ok:
+            continue
+        # the error path: find which of the parameter's checkpoint tensors holds it (host reads)
+        for ckpt_name, file in sources.get(name, []):
+            with _open_safetensors(file) as f:
+                t = f.get_tensor(ckpt_name)
+            bad = ~torch.isfinite(t)
+            if bad.any():
+                kinds = [k for k, m in (("NaN", t.isnan()), ("Inf", t.isinf())) if m.any()]
+                first = tuple(int(i) for i in bad.nonzero()[0])
+                raise CheckpointError(
+                    f"tensor {ckpt_name!r} in {file}: {int(bad.sum()):,} of {t.numel():,} "
+                    f"values are {' / '.join(kinds)} (the first at index {first})")
+        raise CheckpointError(f"parameter {name!r}: holds NaN or Inf after loading (from "
+                              f"{[n for n, _ in sources.get(name, [])]}: finite as stored; "
+                              "out of range of the model's dtype?)")

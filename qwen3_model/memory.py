@@ -88,23 +88,26 @@ def device_budget(device: torch.device, utilization: float, *, free: bool = True
         total = torch.cuda.get_device_properties(index).total_memory
         if not free:
             usable = int(total * utilization)
-            return DeviceBudget(usable, f"the GPU cuda:{index} has {total / GiB:.1f} GiB "
-                                        f"({usable / GiB:.1f} usable at gpu_memory_utilization="
-                                        f"{utilization})")
+            return DeviceBudget(usable, f"the GPU cuda:{index} has {size(total)} ({size(usable)} "
+                                        f"usable at gpu_memory_utilization={utilization})")
         free_bytes, total = torch.cuda.mem_get_info(index)
         usable = int(total * utilization - (total - free_bytes))
-        return DeviceBudget(usable, f"the GPU cuda:{index} has {free_bytes / GiB:.1f} GiB free of "
-                                    f"{total / GiB:.1f} ({max(usable, 0) / GiB:.1f} usable at "
+        return DeviceBudget(usable, f"the GPU cuda:{index} has {size(free_bytes)} free of "
+                                    f"{size(total)} ({size(max(usable, 0))} usable at "
                                     f"gpu_memory_utilization={utilization})")
     ram = physical_ram()
     if ram is None:
         return None
-    return DeviceBudget(ram, f"the machine has {ram / GiB:.1f} GiB of RAM")
+    return DeviceBudget(ram, f"the machine has {size(ram)} of RAM")
+
+
+def size(n: int) -> str:
+    """Bytes as GiB (MiB below one GiB), for messages."""
+    return f"{n / GiB:,.1f} GiB" if n >= GiB else f"{n / 2**20:,.1f} MiB"
 
 
 def describe(need: ModelNeed, dtype: torch.dtype, tp: int) -> str:
     dt = str(dtype).removeprefix("torch.")
     ranks = f" per rank of {tp}" if tp > 1 else ""
-    return (f"~{need.total / GiB:,.1f} GiB{ranks} (weights {need.weights / GiB:,.1f} GiB at {dt}, "
-            f"rope table {need.rope / GiB:,.2f} GiB, KV cache {need.kv / GiB:,.2f} GiB for "
-            f"{need.kv_tokens:,} tokens)")
+    return (f"~{size(need.total)}{ranks} (weights {size(need.weights)} at {dt}, rope table "
+            f"{size(need.rope)}, KV cache {size(need.kv)} for {need.kv_tokens:,} tokens)")

@@ -232,28 +232,28 @@ class ModelRunner(StepInputs, CudaGraphs):
         """A KV cache of ``num_blocks`` (num_kvcache_blocks, or sized from cpu_kvcache_gib) that
         cannot fit in the device's free memory (CUDA) or the machine's RAM (CPU) is refused with
         the bytes it needs, before the allocation is tried."""
-        from qwen3_model.memory import GiB, physical_ram
+        from qwen3_model.memory import physical_ram, size
 
         need = num_blocks * self.block_bytes()
         if self.use_cuda:
             if self.config.num_kvcache_blocks < 1:
                 return  # sized from the free memory itself
             have = torch.cuda.mem_get_info(self.device)[0]
-            what = f"the GPU {self.device} has {have / GiB:,.1f} GiB free"
+            what = f"the GPU {self.device} has {size(have)} free"
             knob = "num_kvcache_blocks"
         else:
             have = physical_ram()
             if have is None:
                 return
             have //= self.world_size  # the CPU ranks share the machine's RAM
-            what = (f"the machine has {have * self.world_size / GiB:,.1f} GiB of RAM"
+            what = (f"the machine has {size(have * self.world_size)} of RAM"
                     + (f" for {self.world_size} ranks" if self.world_size > 1 else ""))
             knob = ("num_kvcache_blocks" if self.config.num_kvcache_blocks > 0
                     else "cpu_kvcache_gib")
         if need > have:
             raise ValueError(
                 f"LLM: a KV cache of {num_blocks:,} blocks of {self.block_size} tokens needs "
-                f"{need / GiB:,.1f} GiB ({need:,} bytes); {what}: lower {knob}")
+                f"{size(need)} ({need:,} bytes); {what}: lower {knob}")
 
     def _blocks_from_free_memory(self) -> int:
         """KV blocks that fit in gpu_memory_utilization of the GPU, after the peak of a warm-up

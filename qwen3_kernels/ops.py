@@ -18,14 +18,22 @@ One contract per op, in this file:
     here and not in C++: the engine's host path. Checks in C++ ran on every launch, even for
     arguments the engine built itself from tensors it owns; in Python the engine's eager steps
     skip them (``trusted_inputs()``), while its tests and every other caller keep them.
+  - Index checks. The values inside the index tensors (positions, slot_mapping, block_tables,
+    seq_lens, cu_seqlens_q, max_seqlen_q) and sample_tokens' temperatures are checked too, by
+    ``index_checks`` (one fused check, one host sync per call): here before a CUDA kernel
+    launches, in the reference on every CPU call (so the CPU path checks them once). A bad value
+    is a ValueError naming the argument and its first bad entry, before anything is written.
+    ``trusted_inputs()`` skips them with the tensor checks (the references keep theirs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 
+from . import index_checks
 from . import reference as ref
 
 # The schema of every op; the CUDA extension registers implementations for these names only.
@@ -100,28 +108,45 @@ def cuda_kernels_import_error() -> ImportError | None:
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Whether the _check_* helpers run (``trusted_inputs`` turns them off for a block).
-_CHECKS = True
+# True inside a ``trusted_inputs`` block of this thread / asyncio task (a context variable: the
+# caller's own; another thread's calls keep their checks).
+_TRUSTED = contextvars.ContextVar("qwen3_kernels_trusted_inputs", default=False)
+
+
+# (read once per trace by torch.compile, which cannot trace ContextVar.get: a compiled function
+# keeps the checks of the context it was traced in, shape checks that compile to guards anyway)
+@torch.compiler.assume_constant_result
+def _trusted() -> bool:
+    return _TRUSTED.get()
+
+
+def checks_enabled() -> bool:
+    """Whether this caller's op calls run their tensor and index checks (not in trusted_inputs)."""
+    return not _trusted()
 
 
 @contextlib.contextmanager
 def trusted_inputs():
     """Inside the block the ops skip their tensor checks (types, dims, dtypes, devices, shapes,
-    strides) and launch straight away; the few scalar checks and the reference fallbacks stay.
+    strides) and their index-value checks (``index_checks``: a host sync each) and launch
+    straight away; the few scalar checks and the references' own index checks stay.
+
+    Per caller: the flag is a context variable, so it holds for this thread (and for asyncio
+    tasks created inside the block); other threads' calls keep every check meanwhile.
 
     For a caller that builds every argument itself from tensors it owns, and whose calls the
     tests run with the checks on: the engine's eager steps on CUDA. There the checks are ~35
     helper calls a layer, about a third of the host's time per step (a profile of an eager
     Qwen3-8B step of ~320 tokens: the host took ~11 ms for ~7-10 ms of kernels; python
     benchmarks/profile_host.py). Not for anything that takes tensors from users: a
-    wrong shape here is an out-of-bounds access, not a ValueError.
+    wrong shape or a slot past the cache here is an out-of-bounds access (qk_norm_rope's kernel
+    writes K / V at any slot >= 0 it is given), not a ValueError.
     """
-    global _CHECKS
-    previous, _CHECKS = _CHECKS, False
+    token = _TRUSTED.set(True)
     try:
         yield
     finally:
-        _CHECKS = previous
+        _TRUSTED.reset(token)
 
 
 def _fail(op: str, msg: str):
@@ -129,8 +154,6 @@ def _fail(op: str, msg: str):
 
 
 def _check_tensor(op, name, t, *, ndim=None, dtype=None, dtypes=None, device=None, last_contig=True):
-    if not _CHECKS:
-        return
     if not isinstance(t, torch.Tensor):
         _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -146,17 +169,19 @@ def _check_tensor(op, name, t, *, ndim=None, dtype=None, dtypes=None, device=Non
 
 
 def _check_shape(op, name, t, shape):
-    if not _CHECKS:
-        return
     if tuple(t.shape) != tuple(shape):
         _fail(op, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def _check_contiguous(op, name, t):
-    if not _CHECKS:
-        return
     if not t.is_contiguous():
         _fail(op, f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def _runs_kernel(t: torch.Tensor, kernel_ok: bool) -> bool:
+    """Whether an op on ``t`` runs our CUDA kernel, so its wrapper checks the index values before
+    the launch (else the reference runs, and checks them itself)."""
+    return _HAS_CUDA_KERNELS and t.is_cuda and kernel_ok
 
 
 def _run(name: str, kernel_ok: bool, *args):
@@ -179,20 +204,21 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, 2I] -> out [T, I] = silu(x[:, :I]) * x[:, I:]. Rows of x and out may be strided."""
     op = "silu_and_mul"
-    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     if x.shape[1] % 2:
         _fail(op, f"x's last dim must be even (2 * intermediate), got {x.shape[1]}")
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
-    _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
-    _check_shape(op, "out", out, (x.shape[0], x.shape[1] // 2))
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+        _check_shape(op, "out", out, (x.shape[0], x.shape[1] // 2))
     _run(op, x.dtype in _KERNEL_DTYPES, out, x)
     return out
 
 
 def _check_norm(op, x, weight, eps):
-    if not _CHECKS:
-        return
     _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     _check_tensor(op, "weight", weight, ndim=1, dtype=x.dtype, device=x.device)
     _check_shape(op, "weight", weight, (x.shape[1],))
@@ -205,11 +231,14 @@ def rms_norm(
 ) -> torch.Tensor:
     """x [T, H], weight [H] -> out [T, H]. Rows of x and out may be strided."""
     op = "rms_norm"
-    _check_norm(op, x, weight, eps)
+    checked = not _trusted()
+    if checked:
+        _check_norm(op, x, weight, eps)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
-    _check_shape(op, "out", out, x.shape)
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+        _check_shape(op, "out", out, x.shape)
     _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight, float(eps))
     return out
 
@@ -219,9 +248,11 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual += x; x = rms_norm(residual). x, residual [T, H]; weight [H]."""
     op = "fused_add_rms_norm"
-    _check_norm(op, x, weight, eps)
-    _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
-    _check_shape(op, "residual", residual, x.shape)
+    checked = not _trusted()
+    if checked:
+        _check_norm(op, x, weight, eps)
+        _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
+        _check_shape(op, "residual", residual, x.shape)
     _run(op, x.dtype in _KERNEL_DTYPES, x, residual, weight, float(eps))
     return x, residual
 
@@ -232,8 +263,6 @@ def fused_add_rms_norm(
 
 
 def _check_kv_cache(op, k_cache, v_cache, dtype, device):
-    if not _CHECKS:
-        return
     _check_tensor(op, "k_cache", k_cache, ndim=4, dtype=dtype, device=device)
     _check_tensor(op, "v_cache", v_cache, ndim=4, dtype=dtype, device=device)
     _check_contiguous(op, "k_cache", k_cache)
@@ -268,9 +297,12 @@ def qk_norm_rope(
     returns q_out  [T, Hq, D]
     """
     op = "qk_norm_rope"
-    _check_tensor(op, "qkv", qkv, ndim=2, dtypes=_FLOAT_DTYPES)
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "qkv", qkv, ndim=2, dtypes=_FLOAT_DTYPES)
     dev, dt = qkv.device, qkv.dtype
-    _check_kv_cache(op, k_cache, v_cache, dt, dev)
+    if checked:
+        _check_kv_cache(op, k_cache, v_cache, dt, dev)
     d = k_cache.shape[3]
     if k_cache.shape[2] != num_kv_heads:
         _fail(op, f"k_cache has {k_cache.shape[2]} kv heads, num_kv_heads is {num_kv_heads}")
@@ -279,28 +311,35 @@ def qk_norm_rope(
     if d % 2:
         _fail(op, f"head_dim must be even for rope, got {d}")
     t = qkv.shape[0]
-    _check_shape(op, "qkv", qkv, (t, (num_q_heads + 2 * num_kv_heads) * d))
-    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        _check_tensor(op, name, w, ndim=1, dtype=dt, device=dev)
-        _check_shape(op, name, w, (d,))
-    _check_tensor(op, "cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=dev)
-    _check_contiguous(op, "cos_sin_cache", cos_sin_cache)
+    if checked:
+        _check_shape(op, "qkv", qkv, (t, (num_q_heads + 2 * num_kv_heads) * d))
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            _check_tensor(op, name, w, ndim=1, dtype=dt, device=dev)
+            _check_shape(op, name, w, (d,))
+        _check_tensor(op, "cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=dev)
+        _check_contiguous(op, "cos_sin_cache", cos_sin_cache)
     if cos_sin_cache.shape[1] != d:
         _fail(op, f"cos_sin_cache must be [max_position, {d}], got {tuple(cos_sin_cache.shape)}")
-    _check_tensor(op, "positions", positions, ndim=1, dtype=torch.int64, device=dev)
-    _check_shape(op, "positions", positions, (t,))
-    _check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtype=torch.int32, device=dev)
-    _check_shape(op, "slot_mapping", slot_mapping, (t,))
+    if checked:
+        _check_tensor(op, "positions", positions, ndim=1, dtype=torch.int64, device=dev)
+        _check_shape(op, "positions", positions, (t,))
+        _check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtype=torch.int32, device=dev)
+        _check_shape(op, "slot_mapping", slot_mapping, (t,))
     if not (isinstance(eps, (int, float)) and eps > 0):
         _fail(op, f"eps must be a positive float, got {eps!r}")
     if q_out is None:
         q_out = torch.empty(t, num_q_heads, d, dtype=dt, device=dev)
-    _check_tensor(op, "q_out", q_out, ndim=3, dtype=dt, device=dev)
-    _check_contiguous(op, "q_out", q_out)
-    _check_shape(op, "q_out", q_out, (t, num_q_heads, d))
+    if checked:
+        _check_tensor(op, "q_out", q_out, ndim=3, dtype=dt, device=dev)
+        _check_contiguous(op, "q_out", q_out)
+        _check_shape(op, "q_out", q_out, (t, num_q_heads, d))
     # The CUDA kernel is specialised for Qwen3's head_dim 128; other head dims run the reference.
+    kernel_ok = dt in _KERNEL_DTYPES and d == 128
+    if checked and _runs_kernel(qkv, kernel_ok):
+        index_checks.qk_norm_rope(op, positions, slot_mapping, cos_sin_cache.shape[0],
+                                  k_cache.shape[0], k_cache.shape[1])
     _run(
-        op, dt in _KERNEL_DTYPES and d == 128, q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions,
+        op, kernel_ok, q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions,
         k_cache, v_cache, slot_mapping, int(num_q_heads), int(num_kv_heads), float(eps),
     )
     return q_out
@@ -322,8 +361,6 @@ def decode_workspace(batch: int, num_q_heads: int, head_dim: int, device) -> tor
 
 
 def _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq):
-    if not _CHECKS:
-        return
     _check_tensor(op, "q", q, ndim=3, dtypes=_FLOAT_DTYPES)
     dev, dt = q.device, q.dtype
     _check_kv_cache(op, k_cache, v_cache, dt, dev)
@@ -358,22 +395,29 @@ def paged_attention_decode(
     returns out   [B, Hq, D]
     """
     op = "paged_attention_decode"
+    checked = not _trusted()
     b = q.shape[0] if isinstance(q, torch.Tensor) else 0
-    _check_attention_common(op, q, k_cache, v_cache, block_tables, b)
-    _check_contiguous(op, "q", q)
-    _check_tensor(op, "seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
-    _check_shape(op, "seq_lens", seq_lens, (b,))
+    if checked:
+        _check_attention_common(op, q, k_cache, v_cache, block_tables, b)
+        _check_contiguous(op, "q", q)
+        _check_tensor(op, "seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
+        _check_shape(op, "seq_lens", seq_lens, (b,))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
-    _check_contiguous(op, "out", out)
-    _check_shape(op, "out", out, q.shape)
+    if checked:
+        _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, q.shape)
     if workspace is None:
         workspace = decode_workspace(b, q.shape[1], q.shape[2], q.device)
-    _check_tensor(op, "workspace", workspace, ndim=4, dtype=torch.float32, device=q.device)
-    _check_contiguous(op, "workspace", workspace)
-    _check_shape(op, "workspace", workspace, (b, q.shape[1], MAX_DECODE_SPLITS, q.shape[2] + 1))
+    if checked:
+        _check_tensor(op, "workspace", workspace, ndim=4, dtype=torch.float32, device=q.device)
+        _check_contiguous(op, "workspace", workspace)
+        _check_shape(op, "workspace", workspace, (b, q.shape[1], MAX_DECODE_SPLITS, q.shape[2] + 1))
     kernel_ok = q.dtype in _KERNEL_DTYPES and q.shape[2] == 128
+    if checked and _runs_kernel(q, kernel_ok):
+        index_checks.paged_attention_decode(op, block_tables, seq_lens, k_cache.shape[0],
+                                            k_cache.shape[1])
     _run(op, kernel_ok, out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), workspace)
     return out
 
@@ -400,24 +444,33 @@ def paged_attention_prefill(
     returns out   [Tq, Hq, D]
     """
     op = "paged_attention_prefill"
-    _check_tensor(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32)
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32)
     nseq = cu_seqlens_q.shape[0] - 1
     if nseq < 0:
         _fail(op, "cu_seqlens_q must hold B + 1 >= 1 offsets")
-    _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq)
-    _check_contiguous(op, "q", q)
+    if checked:
+        _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq)
+        _check_contiguous(op, "q", q)
     if cu_seqlens_q.device != q.device:
         _fail(op, f"cu_seqlens_q is on {cu_seqlens_q.device}, expected {q.device}")
-    _check_tensor(op, "seq_lens_k", seq_lens_k, ndim=1, dtype=torch.int32, device=q.device)
-    _check_shape(op, "seq_lens_k", seq_lens_k, (nseq,))
+    if checked:
+        _check_tensor(op, "seq_lens_k", seq_lens_k, ndim=1, dtype=torch.int32, device=q.device)
+        _check_shape(op, "seq_lens_k", seq_lens_k, (nseq,))
     if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         _fail(op, f"max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
-    _check_contiguous(op, "out", out)
-    _check_shape(op, "out", out, q.shape)
+    if checked:
+        _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, q.shape)
     kernel_ok = q.dtype in _KERNEL_DTYPES and q.shape[2] == 128
+    if checked and _runs_kernel(q, kernel_ok):
+        index_checks.paged_attention_prefill(op, cu_seqlens_q, seq_lens_k, block_tables,
+                                             q.shape[0], max_seqlen_q, k_cache.shape[0],
+                                             k_cache.shape[1])
     _run(op, kernel_ok, out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
                                  block_tables, int(max_seqlen_q), float(scale))
     return out
@@ -432,10 +485,12 @@ def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
     """The checks linear and linear_silu_and_mul share: x [T, K] and weight [N, K] contiguous,
     one dtype and device, K and N multiples of 8; out [T, out_cols(N)] contiguous (allocated when
     None). ``rows`` names N in the messages."""
-    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
-    _check_tensor(op, "weight", weight, ndim=2, dtype=x.dtype, device=x.device)
-    _check_contiguous(op, "x", x)
-    _check_contiguous(op, "weight", weight)
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+        _check_tensor(op, "weight", weight, ndim=2, dtype=x.dtype, device=x.device)
+        _check_contiguous(op, "x", x)
+        _check_contiguous(op, "weight", weight)
     n, k = weight.shape
     if x.shape[1] != k:
         _fail(op, f"x is [T, {x.shape[1]}] but weight is [{rows}, {k}]: inner dims differ")
@@ -444,10 +499,11 @@ def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
     cols = out_cols(n)
     if out is None:
         out = torch.empty(x.shape[0], cols, dtype=x.dtype, device=x.device)
-    _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
-    _check_contiguous(op, "out", out)
-    _check_shape(op, "out", out, (x.shape[0], cols))
-    if _CHECKS and x.is_cuda and any(t.data_ptr() % 16 for t in (x, weight, out)):
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, (x.shape[0], cols))
+    if checked and x.is_cuda and any(t.data_ptr() % 16 for t in (x, weight, out)):
         _fail(op, "x, weight and out must start 16-byte aligned (the kernels' 16-byte loads and "
                   "TMA); got a view at an odd offset")
     return out
@@ -489,29 +545,35 @@ def sample_tokens(
 ) -> torch.Tensor:
     """One token per row of logits [N, V] -> out [N] int64, in one pass over the logits.
 
-    temperatures [N] fp32: T > 0 samples from softmax(logits / T), T <= 0 is greedy (argmax).
+    temperatures [N] fp32, finite: T > 0 samples from softmax(logits / T), T <= 0 is greedy.
     seed_keys [N, 3] int64, each in [0, 2^32): seed lo 32 bits, seed hi 32 bits, counter. The noise
     is a hash of (seed_keys[r], token id) (``reference.seeded_exponential``): equal keys give equal
     tokens whatever the other rows are; the caller varies the counter (or the seed) per step.
     Rows of logits may be strided. Ties go to the lowest token id, as torch.argmax.
     """
     op = "sample_tokens"
-    _check_tensor(op, "logits", logits, ndim=2, dtypes=_FLOAT_DTYPES)
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "logits", logits, ndim=2, dtypes=_FLOAT_DTYPES)
     n, v = logits.shape
     if not 1 <= v <= 2**30:
         _fail(op, f"logits' vocab dim must be in [1, 2^30], got shape {tuple(logits.shape)}")
-    _check_tensor(op, "temperatures", temperatures, ndim=1, dtype=torch.float32,
-                  device=logits.device)
-    _check_shape(op, "temperatures", temperatures, (n,))
-    _check_contiguous(op, "temperatures", temperatures)
-    _check_tensor(op, "seed_keys", seed_keys, ndim=2, dtype=torch.int64, device=logits.device)
-    _check_shape(op, "seed_keys", seed_keys, (n, 3))
-    _check_contiguous(op, "seed_keys", seed_keys)
+    if checked:
+        _check_tensor(op, "temperatures", temperatures, ndim=1, dtype=torch.float32,
+                      device=logits.device)
+        _check_shape(op, "temperatures", temperatures, (n,))
+        _check_contiguous(op, "temperatures", temperatures)
+        _check_tensor(op, "seed_keys", seed_keys, ndim=2, dtype=torch.int64, device=logits.device)
+        _check_shape(op, "seed_keys", seed_keys, (n, 3))
+        _check_contiguous(op, "seed_keys", seed_keys)
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    _check_tensor(op, "out", out, ndim=1, dtype=torch.int64, device=logits.device)
-    _check_shape(op, "out", out, (n,))
-    _check_contiguous(op, "out", out)
+    if checked:
+        _check_tensor(op, "out", out, ndim=1, dtype=torch.int64, device=logits.device)
+        _check_shape(op, "out", out, (n,))
+        _check_contiguous(op, "out", out)
+    if checked and _runs_kernel(logits, True):
+        index_checks.sample_tokens(op, temperatures)
     _run(op, True, out, logits, temperatures, seed_keys)
     return out
 
@@ -528,34 +590,42 @@ def tp_all_reduce_buffer_bytes(max_rows: int, hidden: int, world: int) -> int:
     return 2 * world * max_rows * hidden * 4
 
 
-def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed=False):
-    _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+def _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed=False,
+                         checked=True):
+    """The tensor checks when ``checked`` (not in trusted_inputs); the scalar ones always."""
+    if checked:
+        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     if pushed and x.shape[0] != 1:
         _fail(op, f"pushed=True needs the one row tp_gemv_push sent, got x {list(x.shape)}")
     if not (_HAS_CUDA_KERNELS and x.is_cuda and x.dtype in _KERNEL_DTYPES):
         _fail(op, "runs only as the CUDA kernel: x must be a float16 / bfloat16 CUDA tensor and the "
                   f"extension built (got {x.dtype} on {x.device}; extension built: {_HAS_CUDA_KERNELS}); "
                   "off CUDA use all_reduce + fused_add_rms_norm")
-    _check_contiguous(op, "x", x)
+    if checked:
+        _check_contiguous(op, "x", x)
     t, h = x.shape
     if h % 8 or not 0 < h <= 32768:
         _fail(op, f"x's hidden size must be a positive multiple of 8 up to 32768, got {h}")
-    _check_tensor(op, "peer_ptrs", peer_ptrs, ndim=1, dtype=torch.int64, device=x.device)
+    if checked:
+        _check_tensor(op, "peer_ptrs", peer_ptrs, ndim=1, dtype=torch.int64, device=x.device)
     world = peer_ptrs.shape[0]
     if not 2 <= world <= 8:
         _fail(op, f"peer_ptrs must hold one buffer address per rank, 2..8 ranks, got {world}")
     if not (isinstance(rank, int) and 0 <= rank < world):
         _fail(op, f"rank must be an int in [0, {world}), got {rank!r}")
-    _check_tensor(op, "counters", counters, ndim=1, dtype=torch.int32, device=x.device)
-    _check_shape(op, "counters", counters, (2,))
+    if checked:
+        _check_tensor(op, "counters", counters, ndim=1, dtype=torch.int32, device=x.device)
+        _check_shape(op, "counters", counters, (2,))
     if abort_flag is not None:  # (None: tp_gemv_push, which never waits)
-        _check_tensor(op, "abort_flag", abort_flag, ndim=1, dtype=torch.int32,
-                      device=torch.device("cpu"))
-        _check_shape(op, "abort_flag", abort_flag, (1,))
+        if checked:
+            _check_tensor(op, "abort_flag", abort_flag, ndim=1, dtype=torch.int32,
+                          device=torch.device("cpu"))
+            _check_shape(op, "abort_flag", abort_flag, (1,))
         if not abort_flag.is_pinned():
             _fail(op, "abort_flag must be in pinned memory (torch.zeros(1, dtype=torch.int32, "
                       "pin_memory=True)): the kernel reads it while it waits")
-    _check_tensor(op, "buffer", buffer, ndim=1, dtype=torch.uint8, device=x.device)
+    if checked:
+        _check_tensor(op, "buffer", buffer, ndim=1, dtype=torch.uint8, device=x.device)
     need = tp_all_reduce_buffer_bytes(t, h, world)
     if buffer.numel() < need:
         _fail(op, f"x [{t}, {h}] needs a receive buffer of {need} bytes at world size {world}, "
@@ -582,7 +652,8 @@ def tp_all_reduce(x: torch.Tensor, buffer: torch.Tensor, peer_ptrs: torch.Tensor
                GEMV waits for rows nobody sends.
     """
     op = "tp_all_reduce"
-    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed)
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed,
+                         not _trusted())
     _OPS.tp_all_reduce(x, buffer, peer_ptrs, counters, abort_flag, int(rank), bool(pushed))
     return x
 
@@ -596,11 +667,13 @@ def tp_all_reduce_add_rms_norm(
     included); residual += s; x = rms_norm(residual) * weight. residual [T, H] contiguous, weight
     [H]."""
     op = "tp_all_reduce_add_rms_norm"
-    _check_norm(op, x, weight, eps)
-    _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
-    _check_shape(op, "residual", residual, x.shape)
-    _check_contiguous(op, "residual", residual)
-    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed)
+    checked = not _trusted()
+    if checked:
+        _check_norm(op, x, weight, eps)
+        _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
+        _check_shape(op, "residual", residual, x.shape)
+        _check_contiguous(op, "residual", residual)
+    _check_tp_all_reduce(op, x, buffer, peer_ptrs, counters, abort_flag, rank, pushed, checked)
     _OPS.tp_all_reduce_add_rms_norm(x, residual, weight, float(eps), buffer, peer_ptrs, counters,
                                     abort_flag, int(rank), bool(pushed))
     return x, residual
@@ -618,7 +691,7 @@ def tp_gemv_push(x: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor,
     out = _gemm_out(op, x, weight, out, "N", lambda n: n)
     if x.shape[0] != 1:
         _fail(op, f"x must be one token [1, K], got {list(x.shape)}")
-    _check_tp_all_reduce(op, out, buffer, peer_ptrs, counters, None, rank)  # it never waits
+    _check_tp_all_reduce(op, out, buffer, peer_ptrs, counters, None, rank, checked=not _trusted())
     _OPS.tp_gemv_push(out, x, weight, buffer, peer_ptrs, counters, int(rank))
     return out
 
@@ -652,7 +725,8 @@ def _ref_paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens
 
 
 def _ref_paged_attention_prefill(out, q, k_cache, v_cache, cu_q, lens_k, block_tables, max_q, scale):
-    out.copy_(ref.paged_attention_prefill(q, k_cache, v_cache, cu_q, lens_k, block_tables, scale))
+    out.copy_(ref.paged_attention_prefill(q, k_cache, v_cache, cu_q, lens_k, block_tables, scale,
+                                          max_seqlen_q=max_q))
 
 
 def _ref_linear(out, x, weight):

@@ -5,13 +5,18 @@ kernels against these, benchmarks use them as the eager / ``torch.compile`` base
 package falls back to them on CPU (or for shapes a kernel does not cover).
 
 Names match the schemas in ``ops.py`` and the kernels in ``csrc/kernels/``.
-These functions do not validate their inputs: ``qwen3_kernels.ops`` does, once, for every path.
+Shapes, dtypes and devices are checked by ``qwen3_kernels.ops``, once, for every path. The index
+values a function reads (positions, slots, block ids, offsets, lengths) and the temperatures it
+divides by are checked here, on every call (``index_checks``: cheap, one host sync): a bad one is
+a ValueError, never a wrapped negative index or a silent wrong answer.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import index_checks
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +117,8 @@ def qk_norm_rope(
     slot_mapping   [T] int32: flat slot = block * block_size + offset; -1 skips the token
     returns q      [T, Hq, D]
     """
+    index_checks.qk_norm_rope("qk_norm_rope", positions, slot_mapping, cos_sin_cache.shape[0],
+                              k_cache.shape[0], k_cache.shape[1])
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     qkv3 = qkv.reshape(t, num_q_heads + 2 * num_kv_heads, d).float()
@@ -176,6 +183,8 @@ def paged_attention_decode(
     seq_lens      [B] int32 (>= 1): keys 0 .. seq_lens[b]-1, the new token's included
     returns       [B, Hq, D]
     """
+    index_checks.paged_attention_decode("paged_attention_decode", block_tables, seq_lens,
+                                        k_cache.shape[0], k_cache.shape[1])
     out = torch.empty_like(q)
     lens = seq_lens.tolist()
     for b, n in enumerate(lens):
@@ -193,15 +202,20 @@ def paged_attention_prefill(
     seq_lens_k: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of new query tokens over paged keys (cached prefix + chunk).
 
     q             [Tq, Hq, D]   the query tokens of B sequences, packed
-    cu_seqlens_q  [B + 1] int32 offsets of each sequence's queries in q
+    cu_seqlens_q  [B + 1] int32 offsets of each sequence's queries in q: 0 first, Tq last
     seq_lens_k    [B] int32     keys per sequence (>= its query count): prefix + this chunk
     block_tables  [B, max_blocks] int32
+    max_seqlen_q  the op's grid size (not used here), checked to cover every query count if given
     returns       [Tq, Hq, D]
     """
+    index_checks.paged_attention_prefill(
+        "paged_attention_prefill", cu_seqlens_q, seq_lens_k, block_tables, q.shape[0],
+        max_seqlen_q, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens_k.tolist()
@@ -295,4 +309,5 @@ def sample_tokens(
     seed_keys     [N, 3] int64: seed lo 32 bits, seed hi 32 bits, counter (read where T > 0)
     Ties go to the lowest token id (torch.argmax).
     """
+    index_checks.sample_tokens("sample_tokens", temperatures)
     return sample_scores(logits, temperatures, seed_keys).argmax(dim=-1)

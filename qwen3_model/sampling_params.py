@@ -7,21 +7,42 @@
 Every field is checked when the object is built (and again by ``LLM.generate``, in case a field
 was changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was
 expected.
+
+Float fields are checked as the sampler sees them, in fp32: inf and NaN are refused everywhere;
+top_p must be at least fp32's smallest normal number (``FP32_TINY``; anything smaller becomes 0 or a
+denormal that the GPU flushes to 0, which would keep no token at all), and a non-zero min_p too.
+A temperature below ``GREEDY_TEMPERATURE`` (vLLM's floor, 1e-5) samples greedily: the field keeps
+the value given, ``greedy`` is True, and top-k / top-p / min-p / seed change nothing (dividing the
+logits by such a temperature overflows fp32).
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for (logprobs / prompt_logprobs)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: top_p (and min_p > 0) floor
+
+
+def as_fp32(value: float) -> float:
+    """``value`` rounded to fp32 as the sampler's tensors hold it; inf where it overflows."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(slots=True, init=False)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax)
+    temperature: float = 1.0  # 0 (or anything below GREEDY_TEMPERATURE) = greedy (argmax)
     top_k: int = -1  # keep the k most likely tokens; -1 = all
-    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; in (0, 1]
-    min_p: float = 0.0  # drop tokens less likely than min_p * the most likely one; in [0, 1]
+    # keep the smallest set whose probability reaches top_p; in (0, 1] and >= FP32_TINY in fp32
+    top_p: float = 1.0
+    # drop tokens less likely than min_p * the most likely one; 0, or as top_p
+    min_p: float = 0.0
     seed: int | None = None  # per request: the same seed gives the same tokens, whatever the batch
     max_tokens: int = 16  # new tokens at most
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens exist
@@ -86,17 +107,27 @@ class SamplingParams:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v):  # a finite int or float (a huge int overflows to inf in float())
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return False
+            try:
+                return math.isfinite(v)
+            except OverflowError:
+                return False
 
-        if not is_num(self.temperature) or not self.temperature >= 0:
-            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not is_num(self.temperature) or not (
+                self.temperature >= 0 and math.isfinite(as_fp32(self.temperature))):
+            bad("temperature", f"a finite number >= 0 that fits fp32 (below "
+                               f"{GREEDY_TEMPERATURE:g}: greedy)")
         if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             bad("top_k", "-1 (all tokens) or an integer >= 1")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1]")
-        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            bad("min_p", "in [0, 1]")
+        if not is_num(self.top_p) or not (0 < self.top_p <= 1
+                                           and as_fp32(self.top_p) >= FP32_TINY):
+            bad("top_p", f"in [{FP32_TINY:.8g}, 1] (fp32's smallest normal number: a smaller "
+                         "top_p is 0 to the sampler and would keep no token)")
+        if not is_num(self.min_p) or not (
+                self.min_p == 0 or (0 < self.min_p <= 1 and as_fp32(self.min_p) >= FP32_TINY)):
+            bad("min_p", f"0 or in [{FP32_TINY:.8g}, 1] (fp32's smallest normal number)")
         if self.seed is not None and not is_int(self.seed):
             bad("seed", "None or an integer")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -118,4 +149,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax sampling: temperature below GREEDY_TEMPERATURE (0 included)."""
+        return self.temperature < GREEDY_TEMPERATURE

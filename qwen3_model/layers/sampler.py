@@ -24,7 +24,7 @@ from torch import nn
 
 import qwen3_kernels
 from qwen3_kernels.reference import seeded_exponential
-from qwen3_model.sampling_params import SamplingParams
+from qwen3_model.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -48,8 +48,9 @@ def _device_scalar(value: float, device) -> torch.Tensor:
 class SamplingBatch:
     """The sampling settings of the rows of one step's logits, as device tensors plus host flags."""
 
-    # [N] fp32, greedy rows set to 1 (unused there); or a 0-dim fp32 tensor when every row has
-    # the same temperature (the common case: cached on the device, no copy per step)
+    # [N] fp32, greedy rows (temperature below GREEDY_TEMPERATURE) set to 1 (unused there); or a
+    # 0-dim fp32 tensor when every row has the same temperature (the common case: cached on the
+    # device, no copy per step)
     temperatures: torch.Tensor | None
     greedy_mask: torch.Tensor | None  # [N] bool, None when no row is greedy
     top_k: torch.Tensor | None  # [N] int64 in [1, V], None when no row filters by k
@@ -90,12 +91,15 @@ class SamplingBatch:
             banned_rows = to_dev(rows, torch.int64)
             banned_ids = to_dev(ids, torch.int64)
         temps = [p.temperature for p in params]
-        num_greedy = temps.count(0)
-        if num_greedy == len(temps):
-            return SamplingBatch(None, None, None, None, None, None, None,
-                                 banned_rows, banned_ids, all_greedy=True)
-        greedy = [t == 0 for t in temps] if num_greedy else None
-        sampled = [p for p in params if p.temperature != 0] if num_greedy else params
+        greedy = None  # a temperature below GREEDY_TEMPERATURE is greedy (SamplingParams.greedy)
+        num_greedy = 0
+        if min(temps) < GREEDY_TEMPERATURE:
+            greedy = [t < GREEDY_TEMPERATURE for t in temps]
+            num_greedy = greedy.count(True)
+            if num_greedy == len(temps):
+                return SamplingBatch(None, None, None, None, None, None, None,
+                                     banned_rows, banned_ids, all_greedy=True)
+        sampled = [p for p, g in zip(params, greedy) if not g] if num_greedy else params
         top_k = top_p = min_p = None
         # each setting's distinct values (set comprehensions: cheaper than a generator per row)
         if any(k != -1 and k < vocab_size for k in {p.top_k for p in sampled}):
@@ -107,7 +111,8 @@ class SamplingBatch:
             min_p = to_dev([p.min_p for p in params], torch.float32)
         seeded_rows = seed_keys = None
         if {p.seed for p in sampled} != {None}:
-            seeded = [r for r, p in enumerate(params) if p.seed is not None and p.temperature != 0]
+            seeded = [r for r, p in enumerate(params)
+                      if p.seed is not None and p.temperature >= GREEDY_TEMPERATURE]
             if positions is None:
                 raise ValueError("SamplingBatch.build: seeded rows need their output positions")
             seeded_rows = to_dev(seeded, torch.int64)
@@ -119,7 +124,8 @@ class SamplingBatch:
         if num_greedy == 0 and temps.count(temps[0]) == len(temps):
             temperatures = _device_scalar(float(temps[0]), device)  # one value for the batch
         else:
-            temperatures = to_dev([t if t > 0 else 1.0 for t in temps], torch.float32)
+            temperatures = to_dev([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temps],
+                                  torch.float32)
         return SamplingBatch(
             temperatures=temperatures,
             greedy_mask=to_dev(greedy, torch.bool) if greedy is not None else None,

@@ -221,6 +221,12 @@ class LLMEngine:
                     bad(f"a text prompt needs a tokenizer, and {self.config.model!r} has none; "
                         "pass token ids instead")
                 ids = list(tokenizer(prompt)["input_ids"])
+                # a tokenizer may have more entries than the model has embedding rows
+                if ids and not (0 <= min(ids) and max(ids) < vocab):
+                    j, t = next((j, t) for j, t in enumerate(ids) if not 0 <= t < vocab)
+                    bad(f"the text prompt encodes to token id {t} at position {j}, outside the "
+                        f"model's vocabulary [0, {vocab}) (the tokenizer has more entries than "
+                        "the model's embedding rows)")
             elif isinstance(prompt, (list, tuple)):
                 ids = list(prompt)
                 for j, t in enumerate(ids):

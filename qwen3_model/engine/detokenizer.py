@@ -1,4 +1,11 @@
-"""Incremental detokenization of the requests' outputs, and stop strings."""
+"""Incremental detokenization of the requests' outputs, and stop strings.
+
+A model may have more vocabulary rows than its tokenizer has entries (Qwen3: 151,936 rows for
+151,669 tokens), and a random or fine-tuned model can sample the extra ids. An id the tokenizer
+has no entry for (>= ``len(tokenizer)``) decodes to "" (nothing), on every path (tokenizers'
+DecodeStream, the window decode, ``Detokenizer.decode``), whatever the tokenizer itself would do
+with it (tokenizers skips it; a slow tokenizer may raise). The id stays in the token ids.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ class DetokState:
     text: str = ""  # all text so far, cut before a stop string once one matched
     emitted: int = 0  # chars already streamed
     sent: int = 0  # output ids already streamed
-    ids: list[int] = field(default_factory=list)  # ids fed to the detokenizer
+    ids: list[int] = field(default_factory=list)  # ids fed to the detokenizer (decodable ones)
+    num_fed: int = 0  # output ids taken in (the undecodable ones too)
     stream: object = None  # tokenizers' DecodeStream, where the tokenizer has one
 
 
@@ -44,6 +52,8 @@ class Detokenizer:
         self.tokenizer = tokenizer  # None: ids only
         self.eos_token_ids = eos_token_ids
         self.finish = finish
+        # ids at or past this have no entry in the tokenizer: they decode to ""
+        self.num_entries = len(tokenizer) if tokenizer is not None else 0
         # A fast tokenizer decodes incrementally in Rust (tokenizers' DecodeStream: ~2 us a token
         # where two full decodes of a window cost ~15 us, which a server streaming every token
         # of hundreds of requests pays on the step loop's thread); the window decode below
@@ -60,12 +70,15 @@ class Detokenizer:
     def step(self, seq: Sequence, state: DetokState, want_text: bool) -> None:
         """Feed ``seq``'s new tokens to its detokenizer; apply stop strings."""
         p = seq.params
-        new_ids = seq.token_ids[seq.num_prompt_tokens + len(state.ids):]  # O(new), not O(output)
+        new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_fed:]  # O(new), not O(output)
         if isinstance(seq.stop_reason, int) or (
             seq.finish_reason == "stop" and seq.stop_reason is None and new_ids
             and new_ids[-1] in self.eos_token_ids
         ):
             new_ids = new_ids[:-1]  # the stop id / EOS that ended it is not part of the text
+        state.num_fed += len(new_ids)
+        if new_ids and max(new_ids) >= self.num_entries and self.tokenizer is not None:
+            new_ids = [t for t in new_ids if t < self.num_entries]  # no entry: decodes to ""
         state.ids.extend(new_ids)
         if self.tokenizer is None or not (want_text or p.stop):
             return
@@ -84,6 +97,14 @@ class Detokenizer:
                     seq.finish_reason, seq.stop_reason = "stop", s
                 else:
                     self.finish(seq, "stop", s)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (special tokens skipped; ids without a tokenizer entry: "")."""
+        if self.tokenizer is None:
+            return ""
+        if ids and max(ids) >= self.num_entries:
+            ids = [t for t in ids if t < self.num_entries]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _decode_stream(self, state: DetokState, new_ids: list[int]) -> str:
         """Text added by ``new_ids`` (an incomplete multi-byte char waits for its next id)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -72,13 +73,30 @@ def open_collectives() -> None:
     _GATE_CLOSED[0] = False
 
 
+def _run(collective, x: torch.Tensor, *args, **kwargs) -> None:
+    """``collective(x, *args, **kwargs)`` (a torch.distributed call), gated. NCCL's (CUDA) only
+    queues on the stream. gloo's (CPU) blocks this thread until every rank joined, inside C++
+    where no signal reaches Python: Ctrl-C on rank 0 would wait for a stuck peer (gloo's 10-minute
+    timeout). So on CPU the call is asynchronous and its completion polled in Python steps (a few
+    microseconds, backing off to 1 ms), where a KeyboardInterrupt can land."""
+    with _collective():
+        if x.device.type != "cpu":
+            collective(x, *args, **kwargs)
+            return
+        work = collective(x, *args, async_op=True, **kwargs)
+        delay = 0.0
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(2 * delay + 1e-5, 1e-3)
+        work.wait()  # raises the collective's error (a peer gone: "connection closed")
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the ranks, in place; returns x. Identity at world size 1."""
     if get_tp_world_size() > 1:
         if _CUSTOM is not None and _CUSTOM.fits(x):
             return _CUSTOM(x)
-        with _collective():
-            dist.all_reduce(x)
+        _run(dist.all_reduce, x)
     return x
 
 
@@ -286,13 +304,11 @@ def gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     x = x.contiguous()
     rank = get_tp_rank()
     parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
-    with _collective():
-        dist.gather(x, parts, dst=0)
+    _run(dist.gather, x, parts, dst=0)
     return torch.cat(parts, dim=dim) if rank == 0 else None
 
 
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """x (rank 0's values) on every rank, in place; returns x."""
-    with _collective():
-        dist.broadcast(x, src=0)
+    _run(dist.broadcast, x, src=0)
     return x

@@ -26,7 +26,7 @@ from qwen3_model.engine.detokenizer import Detokenizer, DetokState, load_tokeniz
 from qwen3_model.engine.model_runner import ModelRunner
 from qwen3_model.engine.scheduler import Scheduler
 from qwen3_model.engine.sequence import Sequence, TokenLogprobs
-from qwen3_model.engine.workers import (FAIL_GRACE_S, NcclWatch, abort_nccl, dead_worker,
+from qwen3_model.engine.workers import (FAIL_GRACE_S, abort_nccl, dead_worker,
                                         recv_while_alive, start_workers, stop_workers)
 from qwen3_model.sampling_params import SamplingParams
 
@@ -92,6 +92,7 @@ class LLMEngine:
         config = Config(model, **kwargs)
         self.config = config
         self._workers: list = []
+        self._watch = None  # WorkerWatch: dead and stuck workers (tensor parallel)
         world = config.tensor_parallel_size
         if world > 1:
             if config.device == "cuda" and torch.cuda.device_count() < world:
@@ -100,7 +101,7 @@ class LLMEngine:
             if dist.is_initialized():
                 raise RuntimeError("LLM: a torch.distributed process group already exists in "
                                    "this process; tensor_parallel_size > 1 makes its own")
-            self._workers = start_workers(kwargs, config, world)
+            self._workers, self._watch = start_workers(kwargs, config, world)
         self._stopped: str | None = None  # why the tensor-parallel workers are gone, once they are
         try:
             self.model_runner = ModelRunner(config, rank=0)
@@ -113,11 +114,10 @@ class LLMEngine:
                     if msg[0] != "ready":
                         raise RuntimeError(f"LLM: tensor-parallel rank {rank} failed: {msg[1]}")
         except BaseException:
-            stop_workers(self._workers, world > 1, graceful=False)
+            stop_workers(self._workers, world > 1, graceful=False, watch=self._watch)
             raise
-        # rank 0 on CUDA: a thread that aborts NCCL the moment a worker dies (see NcclWatch)
-        self._watch = (NcclWatch(self._workers) if self._workers and config.device == "cuda"
-                       else None)
+        if self._watch is not None and config.device == "cuda":
+            self._watch.abort_nccl_on_death = True  # see WorkerWatch
         self._finalizer = weakref.finalize(self, stop_workers, self._workers, world > 1,
                                            graphs=self.model_runner.graphs, watch=self._watch)
         self.tokenizer = load_tokenizer(config.model)

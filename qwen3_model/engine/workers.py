@@ -2,7 +2,8 @@
 
 Start (``start_workers``: spawn ranks 1..world-1, form the process group), the worker loop
 (``_tp_worker``: build the same ModelRunner, run every step plan rank 0 sends), watch
-(``dead_worker``, ``NcclWatch``), stop (``stop_workers``), and NCCL's abort (``abort_nccl``).
+(``dead_worker``, ``WorkerWatch``: dead and stuck workers), stop (``stop_workers``), and NCCL's
+abort (``abort_nccl``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from datetime import timedelta
 
 import torch
@@ -31,9 +33,12 @@ from qwen3_model.engine.model_runner import ModelRunner
 # some rank is then mid-step and the ranks cannot agree on what runs next. A worker that loses
 # rank 0 (its pipe closes, or a collective finds the peer gone) exits by itself. Every wait of
 # rank 0 on a worker checks the worker is alive; a worker's death reaches a blocked gloo
-# collective as a "connection closed" error at once.
+# collective as a "connection closed" error at once. A worker that is alive but stuck (stopped by
+# SIGSTOP, or frozen holding its GIL) stops its heartbeat: rank 0's WorkerWatch kills it after
+# Config.tp_step_timeout, which turns it into the dead worker above, named as not answering.
 
-_TP_TIMEOUT = timedelta(minutes=10)  # a rank that hangs (alive) shows up as a collective timing out
+# the last resort for a rank that hangs alive without stopping its heartbeat (WorkerWatch)
+_TP_TIMEOUT = timedelta(minutes=10)
 _JOIN_TIMEOUT_S = 10.0  # close(): how long a worker gets to leave cleanly before it is killed
 FAIL_GRACE_S = 5.0  # a failed step: how long a crashing worker gets to exit, so we can name it
 _POLL_S = 0.1
@@ -49,12 +54,13 @@ def _init_tp_group(config: Config, rank: int, world: int, port: int) -> None:
     open_collectives()  # (closed by an earlier engine's abort in this process)
 
 
-def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn) -> None:
+def _tp_worker(model: str, kwargs: dict, rank: int, world: int, port: int, conn, heartbeat,
+               beat_s: float) -> None:
     """Ranks 1..world-1: build the same runner, then run every step rank 0 sends. Exits with code 1
     after reporting an exception to rank 0 (which raises it)."""
     # Ctrl-C reaches the whole process group; rank 0 alone decides, and stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_when_orphaned()
+    _watch_rank0(heartbeat, beat_s)
     runner = None
     try:
         config = Config(model, **kwargs)
@@ -95,51 +101,69 @@ def _release_graphs(graphs: dict) -> None:
     release_all_reduce()  # its symmetric buffer was set up over the group too
 
 
-def _exit_when_orphaned(poll_s: float = 0.5) -> None:
-    """A worker whose rank 0 was killed (SIGKILL: no exit message, no closed pipe while the worker
-    sits in an NCCL collective that will never complete) must not live on holding its GPU: a daemon
-    thread sees the parent change (re-parented) and ends the process at once."""
+def _watch_rank0(heartbeat, beat_s: float) -> None:
+    """A daemon thread of the worker: every ``beat_s`` it bumps ``heartbeat`` (a shared counter
+    rank 0's WorkerWatch reads: it stops when this process is stopped or frozen), and it ends the
+    process at once when rank 0 is gone. A worker whose rank 0 was killed (SIGKILL: no exit
+    message, no closed pipe while the worker sits in an NCCL collective that will never complete)
+    must not live on holding its GPU: the thread sees the parent change (re-parented)."""
     parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
-            time.sleep(poll_s)
+            heartbeat.value += 1  # (this thread is its only writer)
+            time.sleep(beat_s)
         os._exit(1)
 
-    threading.Thread(target=watch, daemon=True, name="qwen3-tp-orphan-watch").start()
+    threading.Thread(target=watch, daemon=True, name="qwen3-tp-rank0-watch").start()
 
 
-def start_workers(kwargs: dict, config: Config, world: int) -> list:
+def start_workers(kwargs: dict, config: Config, world: int) -> tuple[list, "WorkerWatch"]:
+    """Spawn ranks 1..world-1 and form the group with them; -> the workers [(process, pipe)] and
+    the watch over them (already running: a worker stuck while loading is found too)."""
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # The workers are spawned with this process's environment as it is, NCCL_* variables included:
     # nothing in qwen3_model sets or changes an NCCL variable (NCCL features are the user's choice).
     ctx = mp.get_context("spawn")
-    workers = []
+    workers, heartbeats, watch = [], [], None
+    timeout_s = config.tp_step_timeout
     try:
         for rank in range(1, world):
             parent, child = ctx.Pipe()
+            heartbeat = ctx.RawValue("Q", 0)
             # config.model: the folder rank 0 resolved (a Hub repo id is looked up once, so every
             # rank loads the same snapshot)
             proc = ctx.Process(target=_tp_worker,
-                               args=(config.model, kwargs, rank, world, port, child), daemon=True)
+                               args=(config.model, kwargs, rank, world, port, child, heartbeat,
+                                     min(0.5, timeout_s / 4)), daemon=True)
             proc.start()
             child.close()  # the worker holds the only other end: its exit makes recv() fail
             workers.append((proc, parent))
+            heartbeats.append(heartbeat)
+        watch = WorkerWatch(workers, heartbeats, timeout_s)
         _run_while_alive(workers, lambda: _init_tp_group(config, 0, world, port))
     except BaseException:
-        stop_workers(workers, dist.is_initialized(), graceful=False)
+        stop_workers(workers, dist.is_initialized(), graceful=False, watch=watch)
         raise
-    return workers
+    return workers, watch
+
+
+# the workers WorkerWatch killed for not answering -> the timeout they exceeded (s)
+_NOT_ANSWERING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _describe_exit(rank: int, proc, conn) -> str:
+    who = f"tensor-parallel worker rank {rank} (pid {proc.pid})"
+    if (timeout_s := _NOT_ANSWERING.get(proc)) is not None:
+        return (f"{who} did not answer for {timeout_s:g} s (alive but stuck, e.g. stopped; "
+                f"tp_step_timeout) and was killed")
     code = proc.exitcode
     how = f"exit code {code}"
     if code is not None and code < 0:
         how += f" (signal {signal.Signals(-code).name})"
-    msg = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with {how}"
+    msg = f"{who} died with {how}"
     try:
         if conn.poll():
             kind, text = conn.recv()
@@ -193,7 +217,7 @@ def _run_while_alive(workers: list, fn) -> None:
 
 
 def stop_workers(workers: list, owns_group: bool, graceful: bool = True,
-                  graphs: dict | None = None, watch: "NcclWatch | None" = None) -> None:
+                  graphs: dict | None = None, watch: "WorkerWatch | None" = None) -> None:
     """Stop every worker (bounded: a worker that does not leave in time is killed), then this
     process's side of the group, after its CUDA graphs (``graphs``, cleared: the engine cannot
     replay them without the group anyway). ``graceful=False``: kill at once (they may be
@@ -276,27 +300,60 @@ def abort_nccl(wait_s: float = _ABORT_WAIT_S) -> bool:
     return not thread.is_alive()
 
 
-class NcclWatch:
-    """Rank 0 with tensor parallelism on CUDA: a daemon thread that waits on the workers' exit
-    sentinels. A worker that dies mid-step leaves this rank's NCCL collective waiting forever, and
-    with it whatever host sync is behind it: the step's event (which the runner polls, tp_watch)
-    but also a sync inside the forward (a reference op's .item() on the eager path), which no
-    polling in this thread could reach. The watch aborts NCCL at once, which ends the collective;
-    the engine then raises the error naming the worker (tp_watch, step, _fail_tp)."""
+class WorkerWatch:
+    """Rank 0 with tensor parallelism: a daemon thread over the workers, from their start to
+    ``stop``. Each wake-up (every ``min(0.2, timeout_s / 4)`` s) costs the step loop nothing.
 
-    def __init__(self, workers: list):
-        self._sentinels = [proc.sentinel for proc, _ in workers]
+    Stuck workers: a worker whose heartbeat (``_watch_rank0``) has not moved for ``timeout_s``
+    (Config.tp_step_timeout) is stopped or frozen: the watch records it as not answering and
+    SIGKILLs it (the one signal a stopped process cannot hold off). Its death then fails the step
+    as any dead worker's does: gloo's collective and the pipes fail at once, NCCL is aborted
+    (below), and the engine's error names the worker as not answering (``_describe_exit``).
+    Time is counted on this clock only while this thread runs: after rank 0 itself was stopped
+    (Ctrl-Z stops the whole process group), every worker gets a fresh ``timeout_s``.
+
+    Dead workers, once ``abort_nccl_on_death`` is set (rank 0 on CUDA, after start-up): a worker
+    that dies mid-step leaves this rank's NCCL collective waiting forever, and with it whatever
+    host sync is behind it: the step's event (which the runner polls, tp_watch) but also a sync
+    inside the forward (a reference op's .item() on the eager path), which no polling in the main
+    thread could reach. The watch aborts NCCL at once, which ends the collective; the engine then
+    raises the error naming the worker (tp_watch, step, _fail_tp)."""
+
+    def __init__(self, workers: list, heartbeats: list, timeout_s: float):
+        self._procs = [proc for proc, _ in workers]
+        self._heartbeats = list(heartbeats)
+        self._timeout_s = timeout_s
+        self._poll_s = min(0.2, timeout_s / 4)
+        self.abort_nccl_on_death = False
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="qwen3-tp-nccl-watch")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="qwen3-tp-watch")
         self._thread.start()
 
     def _run(self) -> None:
         from multiprocessing.connection import wait
 
+        sentinels = [proc.sentinel for proc in self._procs]
+        last_tick = time.monotonic()
+        beats = [hb.value for hb in self._heartbeats]
+        moved = [last_tick] * len(beats)  # when each heartbeat last moved, on this clock
         while not self._stopped.is_set():
-            if wait(self._sentinels, timeout=0.2) and not self._stopped.is_set():
-                abort_nccl()
+            died = wait(sentinels, timeout=self._poll_s)
+            if self._stopped.is_set():
                 return
+            if died:
+                if self.abort_nccl_on_death:
+                    abort_nccl()
+                return  # the engine's next look at the workers fails the step
+            now = time.monotonic()
+            if now - last_tick > self._timeout_s / 2:  # this process was stopped: start afresh
+                moved = [now] * len(moved)
+            last_tick = now
+            for i, (proc, hb) in enumerate(zip(self._procs, self._heartbeats)):
+                if hb.value != beats[i]:
+                    beats[i], moved[i] = hb.value, now
+                elif beats[i] and now - moved[i] > self._timeout_s:  # (0: not started yet)
+                    _NOT_ANSWERING[proc] = self._timeout_s  # (before the kill: its death is read)
+                    proc.kill()  # its sentinel wakes this loop next; gloo fails at once
 
     def stop(self) -> None:
         self._stopped.set()

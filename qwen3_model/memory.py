@@ -79,7 +79,8 @@ def physical_ram() -> int | None:
         return None
 
 
-def device_budget(device: torch.device, utilization: float, *, free: bool = True) -> DeviceBudget | None:
+def device_budget(device: torch.device, utilization: float, *,
+                  free: bool = True) -> DeviceBudget | None:
     """CUDA: ``utilization`` of the GPU less what is in use already (``free``: queried, which
     needs a context on the device), or of its total memory (``free=False``: no context made).
     CPU: the physical RAM. None where the size is unknown (nothing is refused then)."""

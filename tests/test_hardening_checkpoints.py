@@ -215,8 +215,8 @@ def test_memory_estimate_against_the_machine(demo, monkeypatch):
     assert llm.model_runner.num_blocks == 8
     del llm
     with pytest.raises(ValueError, match=r"num_kvcache_blocks=1000 needs 31.2 MiB of KV cache "
-                                         r"on "
-                                         r"top of the model's [\d.]+ MiB; the machine has 16.0 MiB"):
+                                         r"on top of the model's [\d.]+ MiB; "
+                                         r"the machine has 16.0 MiB"):
         LLM(str(demo), num_kvcache_blocks=1000, **KW)
     with pytest.raises(ValueError, match=r"KV cache of [\d,]+ blocks .* lower cpu_kvcache_gib"):
         LLM(str(demo), **KW, cpu_kvcache_gib=1.0, max_num_seqs=512)

@@ -427,7 +427,10 @@ class ModelRunner(StepInputs, CudaGraphs):
         if any([p.min_tokens for p in params]):
             banned = [self._banned_ids(s) if s.params.min_tokens else () for s in sample_seqs]
         sampling = SamplingBatch.build(params, positions, banned, self.vocab_size, self.device)
-        tokens = self.sampler(logits, sampling)  # [N] int64, on the device
+        # (trusted: the temperatures come from validated SamplingParams, and the checked op's
+        # host sync would end the overlap of this step with the next one's scheduling)
+        with qwen3_kernels.trusted_inputs() if self.use_cuda else contextlib.nullcontext():
+            tokens = self.sampler(logits, sampling)  # [N] int64, on the device
         self._last_sampled = tokens  # the next step may take them as inputs before they are read
         if self.worker_conns:  # ... on every rank: the other ranks get them from here
             broadcast_from_rank0(tokens)

@@ -5,20 +5,67 @@
     python -m qwen3_model --model ~/Qwen3-0.6B --prompts-file prompts.txt --temperature 0
     python -m qwen3_model            # no model: a small random-weight Qwen3, one batch, throughput
     python -m qwen3_model serve --model ~/Qwen3-0.6B --port 8000    # the OpenAI-compatible server
+
+Errors: every failure (a bad flag, a missing file, a bad checkpoint, a request the engine refuses)
+is one line on stderr, "error: ...", and exit status 1 (2 for a flag argparse refuses); Ctrl-C is
+one line, "interrupted", and exit status 130. --debug shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import tempfile
 import time
+import traceback
 
 DEMO_PROMPTS = 12
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (its own print the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def error_line(e: BaseException) -> str:
+    """``e`` as one line: its lines joined."""
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    if not isinstance(e, (ValueError, NotImplementedError, OSError)) or not text:
+        text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text
+
+
+def guarded(fn, debug: bool):
+    """Run ``fn()`` as a command: an exception is one line on stderr ("error: ...", exit 1), a
+    KeyboardInterrupt the line "interrupted" (exit 130); ``debug`` prints the traceback too."""
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        # a second Ctrl-C while the engine stops (its workers, its graphs) exits at once, quietly
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+        if debug:
+            traceback.print_exc()
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - a command line shows no traceback without --debug
+        if debug:
+            traceback.print_exc()
+        raise SystemExit(f"error: {error_line(e)}") from None
+
+
+def add_debug_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an error or Ctrl-C (default: one line)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m qwen3_model",
         description="Generate text with a Qwen3 checkpoint on the qwen3-kernels engine. Without "
                     "--model, builds a small random-weight Qwen3 in a temporary folder, runs a "
@@ -53,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop token id (repeatable)")
 
     add_engine_args(p)
+    add_debug_arg(p)
     return p
 
 
@@ -89,10 +137,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
-    if args.prompts_file:
-        f = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
-        with f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    path = args.prompts_file
+    if path:
+        if path != "-" and not os.path.isfile(path):
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise ValueError(f"--prompts-file {path!r} {what}; expected a text file with one "
+                             "prompt per line ('-' for stdin)")
+        try:
+            f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+            with f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {path!r} is not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None
+        except OSError as e:
+            raise ValueError(f"--prompts-file {path!r} cannot be read: "
+                             f"{e.strerror or e}") from None
     return prompts
 
 
@@ -145,6 +205,12 @@ def report(outs, seconds: float, llm) -> None:
 
 
 def run_demo(args) -> None:
+    max_tokens = args.max_tokens if args.max_tokens != 128 else 32
+    sp = sampling_params(args, max_tokens=max_tokens, ignore_eos=True)  # (checked before any work)
+    prompts = read_prompts(args) or [
+        f"You are a helpful assistant. Answer briefly. Question {i}: what is {i} times {i + 3}?"
+        for i in range(DEMO_PROMPTS)
+    ]
     import torch
 
     from qwen3_model.llm import LLM
@@ -165,12 +231,6 @@ def run_demo(args) -> None:
         kw.update(kvcache_block_size=16 if args.block_size == 256 else args.block_size,
                   max_model_len=min(args.max_model_len, 1024))
         llm = LLM(path, **kw)
-        prompts = read_prompts(args) or [
-            f"You are a helpful assistant. Answer briefly. Question {i}: what is {i} times {i + 3}?"
-            for i in range(DEMO_PROMPTS)
-        ]
-        max_tokens = args.max_tokens if args.max_tokens != 128 else 32
-        sp = sampling_params(args, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=not args.no_progress)
         seconds = time.perf_counter() - start
@@ -186,10 +246,10 @@ def run_model(args) -> None:
         raise SystemExit("error: give prompts as arguments or with --prompts-file")
     if args.stream and len(prompts) != 1:
         raise SystemExit("error: --stream prints one prompt's tokens as they come; give one prompt")
+    sp = sampling_params(args)  # (checked before the model loads)
     llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
         prompts = apply_chat(llm, prompts, args.system)
-    sp = sampling_params(args)
     start = time.perf_counter()
     if args.stream:
         outs_text, n_tokens = [], 0
@@ -209,19 +269,18 @@ def run_model(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
         from qwen3_model.server.cli import main as serve
 
         return serve(argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        if args.model is None:
-            run_demo(args)
-        else:
-            run_model(args)
-    except (ValueError, NotImplementedError) as e:
-        raise SystemExit(f"error: {e}")
+
+    def run():
+        args = build_parser().parse_args(argv)
+        return run_demo(args) if args.model is None else run_model(args)
+
+    # (--debug read before parsing: a Ctrl-C while argparse runs is guarded too)
+    return guarded(run, "--debug" in argv)
 
 
 if __name__ == "__main__":

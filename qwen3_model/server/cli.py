@@ -2,7 +2,10 @@
 
 SIGTERM drains: the server stops admitting (new connections are refused, requests on open ones
 and /health get 503), gives the requests in flight up to --drain-timeout seconds, aborts the rest,
-and exits 0. Ctrl-C does the same and exits 130.
+and exits 0. Ctrl-C does the same and exits 130, printing "interrupted".
+
+Errors (a bad flag, a checkpoint that does not load) are one line on stderr,
+"error: ...", and a non-zero exit status; --debug shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qwen3_model.__main__ import add_engine_args
+    from qwen3_model.__main__ import Parser, add_debug_arg, add_engine_args
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m qwen3_model serve",
         description="Serve a Qwen3 checkpoint over the OpenAI API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /health, /metrics).",
@@ -34,11 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
+    add_debug_arg(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    from qwen3_model.__main__ import guarded
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return guarded(lambda: serve(build_parser().parse_args(argv)), "--debug" in argv)
+
+
+def serve(args: argparse.Namespace) -> None:
     if args.max_waiting_requests < 1:
         raise SystemExit("error: --max-waiting-requests must be >= 1")
     if not 0 <= args.port <= 65535:
@@ -53,10 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from qwen3_model.__main__ import engine_kwargs
     from qwen3_model.engine.async_llm import AsyncLLM
 
-    try:
-        engine = AsyncLLM(args.model, **engine_kwargs(args))
-    except (ValueError, NotImplementedError) as e:
-        raise SystemExit(f"error: {e}")
+    engine = AsyncLLM(args.model, **engine_kwargs(args))  # (an error: one line, by guarded)
     name = args.served_model_name or args.model
     app = build_app(engine, name, args.max_waiting_requests, model_aliases=(args.model,))
 
@@ -74,13 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"qwen3_model serve: {name!r} on http://{args.host}:{args.port}/v1 "
           f"(max_model_len {engine.config.max_model_len}, "
           f"{engine.stats()['kv_blocks_total']} KV blocks)", flush=True)
-    interrupted = False
     try:
-        Server(config).run()
-    except KeyboardInterrupt:
-        interrupted = True
+        Server(config).run()  # Ctrl-C: a KeyboardInterrupt once drained ("interrupted", 130)
     finally:
         engine.shutdown(drain_timeout=0.0)  # (uvicorn has drained; what is left is aborted)
-    if interrupted:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130)

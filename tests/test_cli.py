@@ -1,5 +1,7 @@
 """``python -m qwen3_model``: the no-model demo runs the whole loop in under a minute on a CPU;
-``--help`` documents every option; a checkpoint with a tokenizer generates from prompts and --chat."""
+``--help`` documents every option; a checkpoint with a tokenizer generates from prompts and --chat;
+every error (serve's too) is one "error: ..." line and a non-zero exit, Ctrl-C "interrupted" and
+exit 130, a traceback only with --debug."""
 
 from __future__ import annotations
 
@@ -116,3 +118,99 @@ def test_tp_all_reduce_choices_are_the_configs():
 
     action = next(a for a in build_parser()._actions if "--tp-all-reduce" in a.option_strings)
     assert tuple(action.choices) == TP_ALL_REDUCE_CHOICES
+
+
+# ---- errors and Ctrl-C: one line on stderr, a non-zero exit, no traceback without --debug ------
+
+
+def one_error_line(proc):
+    assert proc.returncode not in (0, None), (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_user_errors_are_one_line_and_a_nonzero_exit(ckpt, tmp_path, capsys):
+    """In this process (a subprocess each would pay the torch import again): main() ends in a
+    SystemExit whose message (what the interpreter prints) is one "error: ..." line."""
+    from qwen3_model.__main__ import main
+
+    small = [a for a in SMALL if a != "--no-progress"]
+    cases = [
+        (["--model", ckpt, "--prompts-file", str(tmp_path / "missing.txt"), *SMALL],
+         "does not exist"),
+        (["--model", ckpt, "--prompts-file", str(tmp_path), *SMALL], "is a directory"),
+        (["--top-p", "1e-50", "--no-progress"], "SamplingParams.top_p"),  # the demo, no model
+        (["--model", ckpt, "hi", "--temperature", "inf", *SMALL], "SamplingParams.temperature"),
+        (["--model", ckpt, "hi", "--min-p", "nan", *SMALL], "SamplingParams.min_p"),
+        (["--model", ckpt, "x" * 300, *SMALL], "max_model_len"),  # refused by the engine
+        (["--model", str(tmp_path / "nothing"), "hi", *SMALL], "checkpoint folder"),
+        (["serve", "--model", str(tmp_path / "nothing"), *small], "checkpoint folder"),
+        (["serve", "--model", ckpt, "--port", "70000", *small], "--port"),
+    ]
+    for args, words in cases:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        msg = e.value.code
+        assert isinstance(msg, str) and msg.startswith("error: ") and "\n" not in msg, (args, msg)
+        assert words in msg, (args, msg)
+    for args in (["--model", ckpt, "hi", "--top-p", "abc"], ["serve", "--bogus"]):  # argparse's
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_errors_from_the_command_line_have_no_traceback(ckpt, tmp_path):
+    for args, words in [(["--top-p", "1e-50"], "SamplingParams.top_p"),  # (the issue's probe)
+                        (["serve", "--model", str(tmp_path / "nothing")], "checkpoint folder")]:
+        proc, _ = run_cli(*args, timeout=60)
+        line = one_error_line(proc)
+        assert proc.returncode == 1 and words in line, (args, line)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    for args in (["--debug", "--prompts-file", str(tmp_path / "missing.txt"), "--no-progress"],):
+        proc, _ = run_cli(*args, timeout=60)
+        assert proc.returncode == 1
+        assert "Traceback" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith(
+            "error: "), proc.stderr[-3000:]
+
+
+def interrupt(args, ready: str, delay: float = 1.0):
+    """Start the CLI, wait for ``ready`` on its stdout, then ``delay`` s, then SIGINT."""
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, "-m", "qwen3_model", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # (the line comes flushed; readline returns with it)
+            line = proc.stdout.readline()
+            if ready in line or not line:
+                break
+        assert ready in line, (line, proc.poll())
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode, err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(ckpt):
+    # the demo, mid-generation (or loading: either way)
+    rc, err = interrupt(["--max-tokens", "900", "--max-model-len", "1024", "--no-progress"],
+                        "RANDOM-WEIGHT")
+    assert rc == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "interrupted", err[-3000:]
+    # the server, serving
+    rc, err = interrupt(["serve", "--model", ckpt, "--port", "0", "--block-size", "16",
+                         "--max-model-len", "256", "--log-level", "warning"],
+                        "qwen3_model serve:", delay=0.5)
+    assert rc == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "interrupted", err[-3000:]

@@ -267,13 +267,16 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.num_entries = len(tokenizer) if tokenizer is not None else 0
         self.cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         s = self.cache.get(token_id)
         if s is None:
-            s = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
-                 else f"<{token_id}>")
+            if token_id >= self.num_entries:  # no text (Qwen3's vocab is larger than its table)
+                s = "" if self.tokenizer is not None else f"<{token_id}>"
+            else:
+                s = self.tokenizer.decode([token_id])
             if len(self.cache) < 200_000:
                 self.cache[token_id] = s
         return s

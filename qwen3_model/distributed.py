@@ -77,17 +77,17 @@ def _run(collective, x: torch.Tensor, *args, **kwargs) -> None:
     """``collective(x, *args, **kwargs)`` (a torch.distributed call), gated. NCCL's (CUDA) only
     queues on the stream. gloo's (CPU) blocks this thread until every rank joined, inside C++
     where no signal reaches Python: Ctrl-C on rank 0 would wait for a stuck peer (gloo's 10-minute
-    timeout). So on CPU the call is asynchronous and its completion polled in Python steps (a few
-    microseconds, backing off to 1 ms), where a KeyboardInterrupt can land."""
+    timeout). So on CPU the call is asynchronous and its completion polled in Python steps (busy
+    for 2 ms, then every 1 ms), where a KeyboardInterrupt can land."""
     with _collective():
         if x.device.type != "cpu":
             collective(x, *args, **kwargs)
             return
         work = collective(x, *args, async_op=True, **kwargs)
-        delay = 0.0
-        while not work.is_completed():
-            time.sleep(delay)
-            delay = min(2 * delay + 1e-5, 1e-3)
+        if not work.is_completed():
+            spin_until = time.perf_counter() + 2e-3  # most collectives end within it
+            while not work.is_completed():
+                time.sleep(0 if time.perf_counter() < spin_until else 1e-3)
         work.wait()  # raises the collective's error (a peer gone: "connection closed")
 
 

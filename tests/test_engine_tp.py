@@ -387,3 +387,48 @@ def test_online_engine_at_tp2_serves_concurrent_requests_as_transformers(ckpt, o
     finally:
         engine.shutdown()
     assert_no_process_left(pids)
+
+
+# The kill test's script with the worker stopped instead (alive but stuck): the engine's watch
+# finds its heartbeat stopped after tp_step_timeout, SIGKILLs it and aborts NCCL.
+_STOP_SCRIPT = _KILL_SCRIPT.replace("signal.SIGKILL", "signal.SIGSTOP")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("which,allreduce", [("fp32_eager", "nccl"), ("bf16_graphs", "custom")])
+def test_stopped_worker_on_two_gpus_raises_and_leaves_no_process(which, allreduce, request):
+    """SIGSTOP on rank 1 mid-generation on two GPUs: rank 0 raises naming it as not answering
+    within tp_step_timeout (3 s here) + a few s, and no process is left."""
+    import subprocess
+    import sys
+
+    path = (request.getfixturevalue("ckpt")[0] if which == "fp32_eager"
+            else request.getfixturevalue("bf16_ckpt"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = json.dumps(dict(tp_all_reduce=allreduce, tp_step_timeout=3))
+    proc = subprocess.Popen([sys.executable, "-c", _STOP_SCRIPT, path, args], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), line + proc.stderr.read()[-6000:]
+        pids = [int(p) for p in line.split()[1:]]
+        t0 = None
+        for line in proc.stdout:
+            if line.startswith("KILLED"):  # (the script's word; here: stopped)
+                t0 = time.monotonic()
+                break
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        for p in pids:  # a stopped worker must not outlive a failed test
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    print(out, err[-6000:])
+    assert "RAISED LLM: tensor-parallel worker rank 1" in out and "did not answer for 3 s" in out
+    assert proc.returncode == 0 and took < 3 + 10, took
+    time.sleep(1)
+    assert not [p for p in pids if pid_alive(p)]

@@ -301,7 +301,7 @@ def running(pid: int) -> bool:
 def test_killed_rank0_leaves_no_worker_behind(ckpt):
     """SIGKILL on rank 0 mid-generation: no worker outlives it. On CPU the closed pipe or gloo's
     "connection closed" ends the worker; a worker stuck in an NCCL collective is ended by the
-    orphan watch (_exit_when_orphaned)."""
+    orphan watch (workers._watch_rank0)."""
     import subprocess
     import sys
 

@@ -90,7 +90,8 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
                    q_out.data_ptr(), qkv.data_ptr(), q_norm_weight.data_ptr(),
                    k_norm_weight.data_ptr(), cos_sin_cache.data_ptr<float>(),
                    positions.data_ptr<int64_t>(), k_cache.data_ptr(), v_cache.data_ptr(),
-                   slot_mapping.data_ptr<int32_t>(), t, qkv.stride(0),
+                   slot_mapping.data_ptr<int32_t>(), k_cache.size(0) * k_cache.size(1), t,
+                   qkv.stride(0),
                    static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads),
                    static_cast<int>(k_cache.size(3)), static_cast<float>(eps), dt, stream()),
                op);

@@ -83,3 +83,31 @@ def test_the_checks_skip_inside_trusted_inputs_and_during_graph_capture():
         qwen3_kernels.paged_attention_decode(**case, out=out, workspace=ws)
     graph.replay()
     _healthy()
+
+
+@pytest.mark.parametrize("num_tokens", [4, 8192])  # the item kernel, the token-major kernel
+def test_an_unchecked_slot_past_the_cache_is_not_written(num_tokens):
+    """Inside trusted_inputs nothing checks slot_mapping: the kernel itself skips a slot past
+    the cache (as -1) instead of writing past it. The cache is a view into a larger buffer whose
+    tail must stay zero."""
+    case = rope_case("cuda")
+    g = torch.Generator().manual_seed(5)
+    case["qkv"] = torch.randn(num_tokens, case["qkv"].shape[1], generator=g).to(
+        case["qkv"].dtype).cuda()
+    case["positions"] = torch.zeros(num_tokens, dtype=torch.int64, device="cuda")
+    shape = case["k_cache"].shape  # [num_blocks, block_size, Hkv, D]
+    num_slots = shape[0] * shape[1]
+    k_buf = torch.zeros(shape[0] * 4, *shape[1:], dtype=case["k_cache"].dtype, device="cuda")
+    v_buf = torch.zeros_like(k_buf)
+    case["k_cache"], case["v_cache"] = k_buf[: shape[0]], v_buf[: shape[0]]
+    slots = torch.full((num_tokens,), -1, dtype=torch.int32)
+    slots[0] = 1
+    slots[1:4] = torch.tensor([num_slots, num_slots + 7, 2 * num_slots])
+    case["slot_mapping"] = slots.cuda()
+    with qwen3_kernels.trusted_inputs():
+        qwen3_kernels.qk_norm_rope(**case)
+    _healthy()
+    for buf in (k_buf, v_buf):
+        assert not buf[shape[0]:].any(), "written past the cache"
+        per_slot = buf[: shape[0]].reshape(num_slots, -1).abs().sum(dim=1) > 0
+        assert per_slot[1] and per_slot.sum() == 1

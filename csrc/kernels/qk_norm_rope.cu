@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
     T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
+    int64_t num_slots,                         // a slot outside [0, num_slots) is not written
     uint32_t num_items,                        // num_tokens * (Hq + 2*Hkv), < 2^31
     int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
   // Launched with PDL on sm_90 (launch_item): scheduled while the QKV GEMM drains, and nothing is
@@ -139,6 +140,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
       // Small per-token loads, issued now so the cos/sin fetch below waits on one latency, not two.
       pos[r] = head[r] < num_q_heads + num_kv_heads ? positions[token[r]] : 0;
       slot[r] = head[r] >= num_q_heads ? slot_mapping[token[r]] : -1;
+      if (slot[r] >= num_slots) slot[r] = -1;  // never a write outside the cache (unchecked calls)
     } else {
       pos[r] = 0;
       slot[r] = -1;
@@ -267,6 +269,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
     T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
     T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
+    int64_t num_slots,                         // a slot outside [0, num_slots) is not written
     int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
   // The token's cos/sin row and both weights, staged once per CTA: in registers they would cost
   // 32 per thread (spills or half the occupancy); a shared-memory read per head is ~30 cycles, off
@@ -288,7 +291,9 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
   // the cos/sin and weight loads, so the position's latency hides under the qkv loads and the
   // thread waits on one memory latency in all.
   const int64_t pos = positions[token];
-  const int32_t slot = slot_mapping[token];
+  const int32_t slot_in = slot_mapping[token];
+  // never a write outside the cache (an unchecked call's slot past it is skipped like -1)
+  const int32_t slot = slot_in < num_slots ? slot_in : -1;
   const T* row = qkv + token * qkv_stride + lane * kVec;
   Vec8<T> lo[kHeadsPerThread], hi[kHeadsPerThread];
 #pragma unroll
@@ -364,7 +369,7 @@ struct Args {
   void* k_cache;
   void* v_cache;
   const int32_t* slot_mapping;
-  int64_t num_tokens, qkv_stride;
+  int64_t num_slots, num_tokens, qkv_stride;
   int num_q_heads, num_kv_heads;
   float eps;
   cudaStream_t stream;
@@ -385,7 +390,7 @@ cudaError_t launch_item(const Args& a) {
                    static_cast<const T*>(a.qkv), static_cast<const T*>(a.q_norm_weight),
                    static_cast<const T*>(a.k_norm_weight), a.cos_sin_cache, a.positions,
                    static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache), a.slot_mapping,
-                   static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
+                   a.num_slots, static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
                    a.num_kv_heads, a.eps);
 }
 
@@ -406,8 +411,8 @@ cudaError_t launch_token(const Args& a) {
                    static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
                    static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
                    a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache),
-                   static_cast<T*>(a.v_cache), a.slot_mapping, a.qkv_stride, a.num_q_heads,
-                   a.num_kv_heads, a.eps);
+                   static_cast<T*>(a.v_cache), a.slot_mapping, a.num_slots, a.qkv_stride,
+                   a.num_q_heads, a.num_kv_heads, a.eps);
 }
 
 }  // namespace
@@ -415,7 +420,8 @@ cudaError_t launch_token(const Args& a) {
 cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight,
                          const void* k_norm_weight, const float* cos_sin_cache,
                          const int64_t* positions, void* k_cache, void* v_cache,
-                         const int32_t* slot_mapping, int64_t num_tokens, int64_t qkv_stride,
+                         const int32_t* slot_mapping, int64_t num_slots, int64_t num_tokens,
+                         int64_t qkv_stride,
                          int num_q_heads, int num_kv_heads, int head_dim, float eps, DType dtype,
                          cudaStream_t stream) {
   if (num_tokens <= 1) qkv_stride = 0;  // one row: its stride is never used (and may be anything)
@@ -433,8 +439,8 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   if (num_tokens * num_heads >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
 
   const Args a{q_out,      qkv,         q_norm_weight, k_norm_weight, cos_sin_cache,
-               positions,  k_cache,     v_cache,       slot_mapping,  num_tokens,
-               qkv_stride, num_q_heads, num_kv_heads,  eps,           stream};
+               positions,  k_cache,     v_cache,       slot_mapping,  num_slots,
+               num_tokens, qkv_stride,  num_q_heads,   num_kv_heads,  eps, stream};
   // Large batches are bandwidth bound, small ones latency bound (see the item kernel's ITEMS).
   const bool many = num_tokens * num_heads >= (int64_t{1} << 16);
 

@@ -46,6 +46,8 @@ cudaError_t qk_norm_rope(void* q_out,                 // [T, Hq, D] contiguous
                          void* k_cache,               // [num_blocks, block_size, Hkv, D]
                          void* v_cache,               // [num_blocks, block_size, Hkv, D]
                          const int32_t* slot_mapping, // [T], -1 = skip
+                         int64_t num_slots,           // num_blocks * block_size: a slot outside
+                                                      // [0, num_slots) is not written
                          int64_t num_tokens, int64_t qkv_stride, int num_q_heads,
                          int num_kv_heads, int head_dim, float eps, DType dtype,
                          cudaStream_t stream);

@@ -432,3 +432,16 @@ def test_stopped_worker_on_two_gpus_raises_and_leaves_no_process(which, allreduc
     assert proc.returncode == 0 and took < 3 + 10, took
     time.sleep(1)
     assert not [p for p in pids if pid_alive(p)]
+
+
+def test_a_single_gpu_llm_beside_an_open_tp_llm_fails_clearly(ckpt, one_thread):
+    """Its layers would shard over the open group and wait for peers forever: refused instead."""
+    llm = make_llm(ckpt[0])
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel LLM still open"):
+            LLM(ckpt[0], kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=24,
+                device="cpu")
+    finally:
+        llm.close()
+    assert not torch.distributed.is_initialized()
+    LLM(ckpt[0], kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=24, device="cpu")

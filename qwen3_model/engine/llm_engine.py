@@ -102,6 +102,12 @@ class LLMEngine:
                 raise RuntimeError("LLM: a torch.distributed process group already exists in "
                                    "this process; tensor_parallel_size > 1 makes its own")
             self._workers, self._watch = start_workers(kwargs, config, world)
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            # the layers would shard over that group and wait for peers that never come
+            raise RuntimeError(
+                f"LLM: this process is in a torch.distributed group of "
+                f"{dist.get_world_size()} (a tensor-parallel LLM still open?); close() it "
+                "before making a tensor_parallel_size=1 LLM here")
         self._stopped: str | None = None  # why the tensor-parallel workers are gone, once they are
         try:
             self.model_runner = ModelRunner(config, rank=0)

@@ -22,6 +22,7 @@ temperature 0.6; throughput = output tokens / wall time of one ``generate`` afte
 
 --size writes a config.json at the real shape (bf16) to a temp dir and runs it with random weights
 (load_format="dummy"): the speed is the same as a trained checkpoint's, with ignore_eos.
+--quantization fp8 writes it as Qwen3-*-FP8's (e4m3 projections with 128 x 128 block scales).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import record  # noqa: E402
 
 from qwen3_model.config import SCHEDULING_POLICIES, TP_ALL_REDUCE_CHOICES  # noqa: E402
 from qwen3_model.llm import LLM  # noqa: E402
+from qwen3_model.loader import quantization_method, read_config  # noqa: E402
 from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  # noqa: E402
 from qwen3_model.sampling_params import SamplingParams  # noqa: E402
 
@@ -492,6 +494,8 @@ def main(argv=None):
                    help="workload: also time every step on the device (CUDA events) and print "
                         "where the time goes: prefill steps, decode steps by batch size, idle")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="--size's random checkpoint in Qwen3-*-FP8's format (fp8) or not")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -518,6 +522,9 @@ def main(argv=None):
                    help="run on a CUDA device even when the qwen3_kernels extension is not loaded "
                         "(the reference path: its numbers say nothing about the kernels)")
     args = p.parse_args(argv)
+    if args.model and args.quantization != "none":
+        p.error("--quantization applies to --size's random checkpoint; a --model checkpoint's "
+                "config.json says its own")
     if not torch.cuda.is_available():
         print("note: no CUDA device; this runs the CPU reference path and says nothing about "
               "the kernels", flush=True)
@@ -537,11 +544,16 @@ def main(argv=None):
         if args.model:
             path, dummy, name = args.model, False, Path(args.model).name
         else:
-            write_random_checkpoint(tmp, args.size, dtype=dtype, weights=False, tokenizer=False)
-            path, dummy, name = tmp, True, f"Qwen3-{args.size} (random weights)"
+            fp8 = args.quantization == "fp8"
+            write_random_checkpoint(tmp, args.size, dtype=dtype, weights=False, tokenizer=False,
+                                    quantization="fp8" if fp8 else None)
+            path, dummy = tmp, True
+            name = f"Qwen3-{args.size}{'-FP8' if fp8 else ''} (random weights)"
         result = {"model": name, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available()
                   else "cpu", "enforce_eager": args.enforce_eager,
-                  "tensor_parallel_size": args.tensor_parallel_size}
+                  "tensor_parallel_size": args.tensor_parallel_size,
+                  "quantization": quantization_method(read_config(path), path) or "none"}
+        print(f"{name}: quantization {result['quantization']}", flush=True)
 
         if args.profile:
             llm = make_llm(path, args, dummy)
@@ -641,7 +653,8 @@ def engine_row(result: dict, args) -> dict:
                size=None if args.model else args.size, settings=settings,
                output_tok_s=result.get("e2e_tok_s") if batch1 else result.get("tok_s"),
                decode_tok_s=result.get("decode_tok_s"), weight_tb_s=result.get("weight_tb_s"),
-               seconds=result.get("seconds"), output_tokens=result.get("output_tokens"))
+               seconds=result.get("seconds"), output_tokens=result.get("output_tokens"),
+               quantization=result.get("quantization", "none"))
     if "hf_tok_s" in result:
         row.update(baseline="transformers", baseline_tok_s=result["hf_tok_s"],
                    ratio=row["output_tok_s"] / result["hf_tok_s"])

@@ -30,7 +30,8 @@ README_HEAD = ("| what | ours | baseline in the same run | ratio | GPU | commit 
                "|---|---|---|---|---|---|")
 # the per-op benches in the order RESULTS.md shows them; others follow by name
 ORDER = ["bench_elementwise", "bench_qk_norm_rope", "bench_attention_decode",
-         "bench_attention_prefill", "bench_linear", "bench_sample", "bench_engine"]
+         "bench_attention_prefill", "bench_linear", "bench_linear_fp8", "bench_sample",
+         "bench_engine"]
 ENGINE_DEFAULTS = dict(scheduling_policy="fcfs", max_num_seqs=512, max_num_batched_tokens=16384,
                        max_piecewise_graph_tokens=512, overlap_steps=True, tp_all_reduce="auto",
                        tensor_parallel_size=1, enforce_eager=False, block_size=256)
@@ -102,6 +103,38 @@ def kernel_table(doc: dict) -> list[str]:
             f"{r.get('baseline') or ''} | {_us(r.get('baseline_us'))} | "
             f"{_rate(r.get('baseline_rate'), unit)} | {_f(r.get('ratio'), '.2f')}"
             f"{'x' if r.get('ratio') else ''} |")
+    return lines
+
+
+def linear_fp8_table(doc: dict) -> list[str]:
+    """bench_linear_fp8's rows: every baseline's own column (cuBLAS bf16, torch's block-scaled
+    and per-tensor FP8 GEMMs, or why one did not run), the activation quantization inside ours,
+    and the GEMM alone (ours minus it); decode rows give cuBLAS's rate over its own bf16 bytes."""
+    names = [("cublas_bf16", "cuBLAS bf16"), ("scaled_mm_blockwise", "scaled_mm blockwise"),
+             ("scaled_mm_tensorwise", "scaled_mm per-tensor")]
+    lines = ["| case | ours (us) | ours | of ceiling | "
+             + " | ".join(f"{label} (us) | vs {label}" for _, label in names)
+             + " | quantize_fp8 (us) | GEMM alone |",
+             "|---" * (4 + 2 * len(names) + 2) + "|"]
+    for r in doc.get("rows", []):
+        unit = r.get("unit", "")
+        cells = [r["case"], _us(r.get("ours_us")), _rate(r.get("ours_rate"), unit),
+                 _f(r.get("of_ceiling"), ".0%")]
+        for key, _ in names:
+            base_us = r.get("baselines_us", {}).get(key)
+            why = r.get("unavailable", {}).get(key)
+            if base_us:
+                extra = (f" ({r['baseline_tbs']:.2f} TB/s)"
+                         if key == "cublas_bf16" and r.get("baseline_tbs") else "")
+                cells += [_us(base_us) + extra, f"{base_us / r['ours_us']:.2f}x"]
+            elif why:
+                cells += ["unavailable", why.replace("|", "/")]
+            else:
+                cells += ["", ""]
+        cells += [_us(r.get("quantize_us")),
+                  f"{_us(r.get('gemm_est_us'))} us, {_rate(r.get('gemm_est_rate'), unit)}"
+                  if r.get("gemm_est_us") else ""]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -192,6 +225,12 @@ def results_md(docs: dict[str, dict]) -> str:
             out.append("Each row its own run (`python benchmarks/bench_engine.py ...`); last: "
                        f"`{doc.get('command', '')}`, {doc.get('date', '')}.\n")
             out += engine_table(doc)
+        elif bench == "bench_linear_fp8":
+            out.append(f"`{doc.get('command', '')}` on {doc.get('gpu', '?')}, commit "
+                       f"{doc.get('commit', '?')}, {doc.get('date', '')}. Ours includes the "
+                       "activation quantization; torch's FP8 GEMMs run on pre-quantized input; "
+                       "vs X = X's time / ours.\n")
+            out += linear_fp8_table(doc)
         else:
             out.append(f"`{doc.get('command', '')}` on {doc.get('gpu', '?')}, commit "
                        f"{doc.get('commit', '?')}, {doc.get('date', '')}.\n")

@@ -183,6 +183,40 @@ void linear_silu_and_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor&
                op);
 }
 
+// ---- FP8 (e4m3) block-scaled projections ----------------------------------------------------------
+
+void quantize_fp8(at::Tensor& out, at::Tensor& x_scales, const at::Tensor& x) {
+  const char* op = "quantize_fp8";
+  const DType dt = half_dtype(x, op);
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::quantize_fp8(out.data_ptr(), x_scales.data_ptr<float>(),
+                                           x.data_ptr(), x.size(0), x.size(1), x.stride(0),
+                                           x_scales.stride(0), x_scales.stride(1), dt, stream()),
+               op);
+}
+
+// kernels/gemm/linear_fp8.cu picks the kernel from the shape; its workspace (the quantized
+// activations and their scales above one token) comes from the caching allocator on the current
+// stream, so the op stays CUDA-graph capturable.
+void linear_fp8(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const at::Tensor& weight_scale_inv) {
+  const char* op = "linear_fp8";
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "qwen3_kernels.linear_fp8: the CUDA kernel runs "
+              "bfloat16 activations, got ", c10::toString(x.scalar_type()));
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const size_t ws_bytes = qwen3_kernels::linear_fp8_workspace_size(m, n, k);
+  at::Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  check_launch(qwen3_kernels::linear_fp8(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                                         weight_scale_inv.data_ptr<float>(), m, n, k,
+                                         ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes,
+                                         stream()),
+               op);
+}
+
 // ---- sample_tokens ------------------------------------------------------------------------------
 
 void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperatures,
@@ -284,6 +318,8 @@ TORCH_LIBRARY_IMPL(qwen3_kernels, CUDA, m) {
   m.impl("paged_attention_prefill", &paged_attention_prefill);
   m.impl("linear", &linear);
   m.impl("linear_silu_and_mul", &linear_silu_and_mul);
+  m.impl("quantize_fp8", &quantize_fp8);
+  m.impl("linear_fp8", &linear_fp8);
   m.impl("sample_tokens", &sample_tokens);
   m.impl("tp_all_reduce", &tp_all_reduce);
   m.impl("tp_all_reduce_add_rms_norm", &tp_all_reduce_add_rms_norm);

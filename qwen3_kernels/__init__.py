@@ -16,7 +16,10 @@ from .ops import (
     decode_workspace,
     fused_add_rms_norm,
     has_cuda_kernels,
+    fp8_scales_buffer,
+    linear_fp8,
     linear_silu_and_mul,
+    quantize_fp8,
     paged_attention_decode,
     paged_attention_prefill,
     qk_norm_rope,
@@ -32,11 +35,11 @@ from .ops import (
 )
 
 __all__ = [
-    "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fused_add_rms_norm",
-    "has_cuda_kernels", "linear_silu_and_mul", "paged_attention_decode", "paged_attention_prefill",
-    "qk_norm_rope", "linear", "reference", "rms_norm", "sample_tokens", "silu_and_mul",
-    "tp_all_reduce", "tp_all_reduce_add_rms_norm", "tp_all_reduce_buffer_bytes", "tp_gemv_push",
-    "trusted_inputs",
+    "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fp8_scales_buffer",
+    "fused_add_rms_norm", "has_cuda_kernels", "linear", "linear_fp8", "linear_silu_and_mul",
+    "paged_attention_decode", "paged_attention_prefill", "qk_norm_rope", "quantize_fp8",
+    "reference", "rms_norm", "sample_tokens", "silu_and_mul", "tp_all_reduce",
+    "tp_all_reduce_add_rms_norm", "tp_all_reduce_buffer_bytes", "tp_gemv_push", "trusted_inputs",
 ]
 __version__ = "0.1.0"
 

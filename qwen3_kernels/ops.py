@@ -59,6 +59,10 @@ SCHEMAS = {
     ),
     "linear": "linear(Tensor! out, Tensor x, Tensor weight) -> ()",
     "linear_silu_and_mul": "linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()",
+    "quantize_fp8": "quantize_fp8(Tensor! out, Tensor! x_scales, Tensor x) -> ()",
+    "linear_fp8": (
+        "linear_fp8(Tensor! out, Tensor x, Tensor weight, Tensor weight_scale_inv) -> ()"
+    ),
     "sample_tokens": (
         "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
     ),
@@ -533,6 +537,97 @@ def linear_silu_and_mul(
 
 
 # ----------------------------------------------------------------------------------------------
+# FP8 (e4m3) block-scaled projections: Qwen3-*-FP8 checkpoints (reference.py has the format)
+# ----------------------------------------------------------------------------------------------
+
+FP8_GROUP = ref.FP8_GROUP
+
+
+def _fp8_kernel_ok(t: torch.Tensor) -> bool:
+    """The FP8 kernels run bf16 activations on Hopper (sm_90); elsewhere the reference runs."""
+    return (t.dtype == torch.bfloat16 and t.is_cuda
+            and torch.cuda.get_device_capability(t.device) == (9, 0))
+
+
+def fp8_scales_buffer(t: int, k: int, device) -> torch.Tensor:
+    """An x_scales for quantize_fp8 in the layout the FP8 GEMM reads: a [T, ceil(K/128)] view,
+    token-contiguous (strides (1, T rounded up to 4))."""
+    groups = -(-k // FP8_GROUP)
+    stride = -(-t // 4) * 4
+    return torch.empty(groups, stride, dtype=torch.float32, device=device).t()[:t]
+
+
+def quantize_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
+                 x_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (rows may be strided) -> (out [T, K] float8_e4m3fn, x_scales [T, ceil(K/128)]
+    fp32): per token per 128-wide group, scale = max(|group|, 1e-10) / 448 and out = x / scale
+    rounded to e4m3 (reference.quantize_fp8). x_scales may have any strides
+    (``fp8_scales_buffer`` gives the token-contiguous one the GEMM reads)."""
+    op = "quantize_fp8"
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+    t, k = x.shape
+    if out is None:
+        out = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if x_scales is None:
+        x_scales = fp8_scales_buffer(t, k, x.device)
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=torch.float8_e4m3fn, device=x.device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, (t, k))
+        _check_tensor(op, "x_scales", x_scales, ndim=2, dtype=torch.float32, device=x.device,
+                      last_contig=False)
+        _check_shape(op, "x_scales", x_scales, (t, -(-k // FP8_GROUP)))
+        if k % 16:
+            _fail(op, f"K ({k}) must be a multiple of 16 (16-byte rows of e4m3)")
+        if x.is_cuda and (x.data_ptr() % 16 or out.data_ptr() % 16 or x.stride(0) % 8):
+            _fail(op, "x and out must start 16-byte aligned and x's row stride must be a "
+                      f"multiple of 8 elements; got row stride {x.stride(0)}")
+    _run(op, x.dtype in _KERNEL_DTYPES, out, x_scales, x)
+    return out, x_scales
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ dequant(weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/128),
+    ceil(K/128)] fp32)^T -> out [T, N] in x's dtype, with x quantized per token per 128-group
+    first (reference.linear_fp8). K a multiple of 16, N of 8. On Hopper with bf16 x the kernel
+    csrc/kernels/gemm/linear_fp8.cu picks runs (the FP8 GEMV at one token, the CUTLASS
+    block-scaled GEMM above); other dtypes and GPUs run the reference."""
+    op = "linear_fp8"
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+        _check_tensor(op, "weight", weight, ndim=2, dtype=torch.float8_e4m3fn, device=x.device)
+        _check_tensor(op, "weight_scale_inv", weight_scale_inv, ndim=2, dtype=torch.float32,
+                      device=x.device)
+        _check_contiguous(op, "x", x)
+        _check_contiguous(op, "weight", weight)
+        _check_contiguous(op, "weight_scale_inv", weight_scale_inv)
+    n, k = weight.shape
+    if x.shape[1] != k:
+        _fail(op, f"x is [T, {x.shape[1]}] but weight is [N, {k}]: inner dims differ")
+    if k % 16 or n % 8:
+        _fail(op, f"K ({k}) must be a multiple of 16 and N ({n}) of 8 (16-byte aligned rows)")
+    blocks = (-(-n // FP8_GROUP), -(-k // FP8_GROUP))
+    if tuple(weight_scale_inv.shape) != blocks:
+        _fail(op, f"weight_scale_inv must have shape {blocks} (one scale per 128 x 128 block of "
+                  f"the [{n}, {k}] weight), got {tuple(weight_scale_inv.shape)}")
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, (x.shape[0], n))
+        if x.is_cuda and any(t.data_ptr() % 16 for t in (x, weight, weight_scale_inv, out)):
+            _fail(op, "x, weight, weight_scale_inv and out must start 16-byte aligned; got a "
+                      "view at an odd offset")
+    _run(op, _fp8_kernel_ok(x), out, x, weight, weight_scale_inv)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------
 
@@ -737,6 +832,16 @@ def _ref_linear_silu_and_mul(out, x, weight):
     out.copy_(ref.linear_silu_and_mul(x, weight))
 
 
+def _ref_quantize_fp8(out, x_scales, x):
+    q, scales = ref.quantize_fp8(x)
+    out.copy_(q)
+    x_scales.copy_(scales)
+
+
+def _ref_linear_fp8(out, x, weight, weight_scale_inv):
+    out.copy_(ref.linear_fp8(x, weight, weight_scale_inv))
+
+
 def _ref_sample_tokens(out, logits, temperatures, seed_keys):
     out.copy_(ref.sample_tokens(logits, temperatures, seed_keys))
 
@@ -756,6 +861,8 @@ _REFERENCE_IMPLS = {
     "paged_attention_prefill": _ref_paged_attention_prefill,
     "linear": _ref_linear,
     "linear_silu_and_mul": _ref_linear_silu_and_mul,
+    "quantize_fp8": _ref_quantize_fp8,
+    "linear_fp8": _ref_linear_fp8,
     "sample_tokens": _ref_sample_tokens,
     "tp_all_reduce": _no_peers,
     "tp_all_reduce_add_rms_norm": _no_peers,

@@ -247,6 +247,52 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(linear(x, weight))
 
 
+# ---- FP8 (e4m3) block-scaled projections: Qwen3-*-FP8 checkpoints ------------------------------
+#
+# Weights: float8_e4m3fn [N, K] with one fp32 ``weight_scale_inv`` per 128 x 128 block
+# ([ceil(N/128), ceil(K/128)]): the value is weight * weight_scale_inv (the checkpoint's name; it
+# multiplies). Activations are quantized at run time, per token per 128-wide group of K (the
+# checkpoint's ``activation_scheme: dynamic``): x_scale = max(|x_group|, FP8_SCALE_FLOOR) / 448.
+
+FP8_GROUP = 128  # the block edge of weight scales and the activation group width
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_SCALE_FLOOR = 1e-10  # an all-zero group gets this amax, not a zero scale (0 / 0)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (x_fp8 [T, K] float8_e4m3fn, x_scales [T, ceil(K/128)] fp32) with
+    x ~= x_fp8 * x_scales (each scale repeated over its group): per token per 128-wide group,
+    scale = max(|group|, 1e-10) / 448, x_fp8 = round_to_e4m3(x / scale) (saturating). NaN stays
+    NaN; an Inf makes its group's scale Inf (and the group NaN), as the kernel."""
+    t, k = x.shape
+    groups = -(-k // FP8_GROUP)
+    xf = torch.zeros(t, groups * FP8_GROUP, dtype=torch.float32, device=x.device)
+    xf[:, :k] = x.float()
+    g = xf.view(t, groups, FP8_GROUP)
+    scales = g.abs().amax(dim=-1).clamp_min(FP8_SCALE_FLOOR) / FP8_MAX  # [T, G]
+    q = (g / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return q.view(t, -1)[:, :k].to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(x_fp8: torch.Tensor, scales: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """x_fp8 [R, K] float8_e4m3fn, scales [ceil(R / block_rows), ceil(K/128)] -> fp32 [R, K]:
+    each value times the scale of its block (block_rows = 1 for activations, 128 for weights)."""
+    r, k = x_fp8.shape
+    s = scales.float().repeat_interleave(block_rows, 0)[:r]
+    s = s.repeat_interleave(FP8_GROUP, 1)[:, :k]
+    return x_fp8.float() * s
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (bf16 / fp16 / fp32), weight [N, K] float8_e4m3fn, weight_scale_inv
+    [ceil(N/128), ceil(K/128)] fp32 -> [T, N] in x's dtype: quantize_fp8(x) times the
+    block-dequantized weight, accumulated in fp32 (what the FP8 GEMM and GEMV compute)."""
+    x_fp8, x_scales = quantize_fp8(x)
+    xd = dequantize_fp8(x_fp8, x_scales, 1)
+    wd = dequantize_fp8(weight, weight_scale_inv, FP8_GROUP)
+    return torch.matmul(xd, wd.t()).to(x.dtype)
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 _M32 = 0xFFFFFFFF

@@ -7,6 +7,11 @@
 Memory: tensors are read one at a time from each safetensors file (memory-mapped) and copied into
 this rank's slice by the parameter's own ``weight_loader``, so at most one full tensor is in flight
 beyond the model itself.
+
+FP8 checkpoints (Qwen3-*-FP8: config.json's ``quantization_config``, ``quantization_method``):
+each q/k/v/o/gate/up/down projection stores ``weight`` float8_e4m3fn [N, K] and
+``weight_scale_inv`` fp32 [ceil(N/128), ceil(K/128)] (one per 128 x 128 block; it multiplies);
+e4m3 tensors load only into e4m3 parameters, and every scale must be finite and > 0.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def read_config(path: str | os.PathLike) -> dict:
             f"{config_file}: architectures is {archs}, expected {list(SUPPORTED_ARCHITECTURES)}"
         )
     config_fields(raw, config_file)
+    quantization_method(raw, config_file)
     return raw
 
 
@@ -132,6 +138,69 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # (not NaN)
 
 
+# The FP8 format this model runs (Qwen3-*-FP8's quantization_config): e4m3 weights with one scale
+# per 128 x 128 block, activations quantized per token per 128-wide group at run time.
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+# the modules stored in FP8 (the rest, embeddings, norms and lm_head, stay bf16)
+FP8_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                   "mlp": ("gate_proj", "up_proj", "down_proj")}
+FP8_SCALE = "weight_scale_inv"  # the checkpoint's name of a projection's block scales
+# config keys that list modules left unquantized (Hugging Face's and vLLM's names)
+UNQUANTIZED_LISTS = ("modules_to_not_convert", "ignored_layers")
+
+
+def quantization_method(raw: dict, where) -> str | None:
+    """None for a checkpoint without ``quantization_config``, "fp8" for Qwen's FP8 format
+    (``FP8_QUANTIZATION``); anything else a CheckpointError naming ``where`` and the field.
+
+    A list of modules left unquantized (``UNQUANTIZED_LISTS``) may name modules that are bf16
+    anyway (lm_head, embeddings, norms); one that matches a projection is refused: the model
+    runs every projection in FP8."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{where}: quantization_config must be a JSON object, got "
+                              f"{type(qc).__name__}")
+    supported = f"supported: {FP8_QUANTIZATION}"
+    for key, want in FP8_QUANTIZATION.items():
+        # activation_scheme and fmt have these values when absent (transformers' FP8 config)
+        if key in ("activation_scheme", "fmt") and key not in qc:
+            continue
+        if qc.get(key) != want:
+            raise CheckpointError(f"{where}: quantization_config.{key} is {qc.get(key)!r}, "
+                                  f"expected {want!r} ({supported})")
+    for key in UNQUANTIZED_LISTS:
+        names = qc.get(key) or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CheckpointError(f"{where}: quantization_config.{key} must be a list of module "
+                                  f"names, got {names!r}")
+        for name in names:
+            hit = _unquantized_projection(name, raw.get("num_hidden_layers"))
+            if hit:
+                raise CheckpointError(
+                    f"{where}: quantization_config.{key} names {name!r}, which matches the "
+                    f"projection {hit!r}: a projection kept in bf16 within an FP8 checkpoint is "
+                    "not supported (every q/k/v/o/gate/up/down projection must be FP8)")
+    return "fp8"
+
+
+def _unquantized_projection(entry: str, num_layers) -> str | None:
+    """The first projection module ``entry`` matches as transformers matches these lists (a
+    substring of the module's name, or the name a prefix of it), or None."""
+    if not entry:
+        return None
+    layers = num_layers if isinstance(num_layers, int) and num_layers > 0 else 1
+    for i in range(layers):
+        for block, projs in FP8_PROJECTIONS.items():
+            for proj in projs:
+                module = f"model.layers.{i}.{block}.{proj}"
+                if entry in module or entry.startswith(module + "."):
+                    return module
+    return None
+
+
 def load_hf_config(path: str | os.PathLike):
     """Read and check ``path/config.json`` (``read_config``); returns a transformers
     ``Qwen3Config``, its values checked again as transformers resolved them."""
@@ -195,8 +264,14 @@ def _checkpoint_names(param_name: str, shard_ids, packed: dict) -> list[str]:
 
 
 # what a checkpoint tensor may be stored as: cast to the parameter's dtype on load. Anything else
-# (integers, bool, fp8 without its scales) is refused, never cast silently.
+# (integers, bool, other fp8 formats) is refused, never cast silently; float8_e4m3fn loads only
+# into an e4m3 parameter (an FP8 checkpoint's projection weights), bit for bit.
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @contextlib.contextmanager
@@ -213,16 +288,27 @@ def _open_safetensors(file: Path):
         yield f
 
 
-def _read_tensor(f, name: str, file: Path) -> torch.Tensor:
+def _read_tensor(f, name: str, file: Path, param: nn.Parameter) -> torch.Tensor:
     try:
         tensor = f.get_tensor(name)
     except Exception as e:  # data past the end of a truncated file, a dtype torch lacks
         raise CheckpointError(f"tensor {name!r} in {file}: cannot be read: {e}") from e
+    where = f"tensor {name!r} in {file}: dtype {_dtype_name(tensor.dtype)}"
+    if param.dtype == FP8_DTYPE:
+        if tensor.dtype != FP8_DTYPE:
+            raise CheckpointError(
+                f"{where}, expected float8_e4m3fn: config.json's quantization_config is FP8, "
+                "so every projection weight is stored in e4m3 next to its weight_scale_inv")
+        return tensor
+    if tensor.dtype == FP8_DTYPE:
+        raise CheckpointError(
+            f"{where}, expected {_dtype_name(param.dtype)} (the model's parameter): FP8 "
+            "weights load only into the projections of a checkpoint whose config.json has "
+            f"quantization_config {FP8_QUANTIZATION}")
     if tensor.dtype not in LOADABLE_DTYPES:
         raise CheckpointError(
-            f"tensor {name!r} in {file}: dtype {str(tensor.dtype).removeprefix('torch.')}, "
-            f"expected one of {[str(d).removeprefix('torch.') for d in LOADABLE_DTYPES]} "
-            "(quantized or integer checkpoints are not supported)")
+            f"{where}, expected one of {[_dtype_name(d) for d in LOADABLE_DTYPES]} "
+            "(integer checkpoints and other quantization formats are not supported)")
     return tensor
 
 
@@ -232,11 +318,12 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
 
     Errors (CheckpointError, naming the file and the tensor): a file that is not safetensors or is
     truncated, a tensor the model has no place for, of the wrong shape, of a dtype that is not
-    floating point (``LOADABLE_DTYPES``), found twice, or holding NaN / Inf (``check_finite``); a
-    parameter the checkpoint does not provide.
+    floating point (``LOADABLE_DTYPES``; float8_e4m3fn exactly where the parameter is), found
+    twice, or holding NaN / Inf or a block scale <= 0 (``check_finite``); a parameter the
+    checkpoint does not provide (a projection's ``weight_scale_inv`` included).
     With tied embeddings a stored ``lm_head.weight`` is skipped: the head reads the embedding.
 
-    The NaN / Inf check reduces each parameter on its device (one min / max) and reads all the
+    The NaN / Inf check reduces each parameter on its device (one flag) and reads all the
     results at once at the end: one synchronisation per load.
     """
     packed = getattr(model, "packed_modules_mapping", {})
@@ -259,10 +346,12 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
                 pname, shard_id = _target(name, packed)
                 param = params.get(pname)
                 if param is None:
+                    hint = ("an FP8 block scale, but config.json has no FP8 quantization_config"
+                            if name.endswith(FP8_SCALE) else
+                            "is this a Qwen3 dense checkpoint matching config.json?")
                     raise CheckpointError(
                         f"unexpected tensor {name!r} in {file.name}: the model has no "
-                        f"parameter {pname!r} "
-                        "(is this a Qwen3 dense checkpoint matching config.json?)"
+                        f"parameter {pname!r} ({hint})"
                     )
                 loader = getattr(param, "weight_loader", None)
                 if shard_id is None and getattr(param, "shard_ids", None):
@@ -271,7 +360,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
                         f"{_checkpoint_names(pname, set(param.shard_ids), packed)}; "
                         "expected those tensors"
                     )
-                tensor = _read_tensor(f, name, file)
+                tensor = _read_tensor(f, name, file, param)
                 try:
                     if shard_id is None:
                         if loader is None:
@@ -306,25 +395,30 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
 
 def _check_finite(params: dict[str, nn.Parameter],
                   sources: dict[str, list[tuple[str, Path]]]) -> None:
-    """Refuse NaN / Inf in any loaded parameter, naming the first checkpoint tensor that has one.
+    """Refuse NaN / Inf in any loaded parameter (and a block scale that is not > 0), naming the
+    first checkpoint tensor that has one.
 
-    Each parameter is reduced to its (min, max) on its own device (NaN propagates through both;
-    an Inf is the min or the max), the results stacked, and read back once."""
+    Each parameter is reduced to one flag on its own device: floating point through its (min,
+    max) (NaN propagates through both; an Inf is the min or the max; a ``weight_scale_inv`` also
+    needs min > 0), e4m3 through its bits (no Inf in e4m3fn; NaN is S1111111). The flags are
+    stacked and read back once."""
     names = [n for n, p in params.items() if p.numel()]
     if not names:
         return
-    extremes = torch.stack([torch.stack(params[n].aminmax()).float() for n in names])
-    finite = extremes.isfinite().all(dim=1).tolist()  # the one synchronisation
-    for name, ok in zip(names, finite):
-        if ok:
+    ok = torch.stack([_valid(n, params[n]) for n in names]).tolist()  # the one synchronisation
+    for name, good in zip(names, ok):
+        if good:
             continue
         # the error path: find which of the parameter's checkpoint tensors holds it (host reads)
         for ckpt_name, file in sources.get(name, []):
             with _open_safetensors(file) as f:
                 t = f.get_tensor(ckpt_name)
-            bad = ~torch.isfinite(t)
-            if bad.any():
-                kinds = [k for k, m in (("NaN", t.isnan()), ("Inf", t.isinf())) if m.any()]
+            masks = _bad_values(ckpt_name, t)
+            bad = torch.zeros(t.shape, dtype=torch.bool)
+            for m in masks.values():
+                bad |= m
+            kinds = [k for k, m in masks.items() if m.any()]
+            if kinds:
                 first = tuple(int(i) for i in bad.nonzero()[0])
                 raise CheckpointError(
                     f"tensor {ckpt_name!r} in {file}: {int(bad.sum()):,} of {t.numel():,} "
@@ -332,3 +426,26 @@ def _check_finite(params: dict[str, nn.Parameter],
         raise CheckpointError(f"parameter {name!r}: holds NaN or Inf after loading (from "
                               f"{[n for n, _ in sources.get(name, [])]}: finite as stored; "
                               "out of range of the model's dtype?)")
+
+
+def _is_fp8_nan(t: torch.Tensor) -> torch.Tensor:
+    return (t.view(torch.uint8) & 0x7F) == 0x7F
+
+
+def _valid(name: str, p: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on p's device: no NaN / Inf (and all > 0 for a block scale)."""
+    if p.dtype == FP8_DTYPE:
+        return ~_is_fp8_nan(p).any()
+    lo, hi = p.aminmax()
+    good = torch.stack([lo, hi]).float().isfinite().all()
+    return good & (lo > 0) if name.endswith(FP8_SCALE) else good
+
+
+def _bad_values(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Masks of the values ``_valid`` refuses in a checkpoint tensor, by kind."""
+    if t.dtype == FP8_DTYPE:
+        return {"NaN": _is_fp8_nan(t)}
+    kinds = {"NaN": t.isnan(), "Inf": t.isinf()}
+    if name.endswith(FP8_SCALE):
+        kinds["<= 0 (a block scale must be > 0)"] = t <= 0
+    return kinds

@@ -24,10 +24,11 @@ GiB = 2**30
 class ModelNeed:
     """Bytes one rank holds for a model."""
 
-    weights: int  # parameters at the engine dtype
+    weights: int  # parameters at the engine dtype (FP8 projections: 1 byte + block scales)
     rope: int  # the fp32 cos | sin table [max_position_embeddings, head_dim]
     kv: int  # the KV cache counted (kv_tokens tokens)
     kv_tokens: int
+    quantization: str | None = None  # "fp8": the projections' weights are e4m3
 
     @property
     def total(self) -> int:
@@ -40,27 +41,36 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
 
 
 def model_need(fields: dict, dtype: torch.dtype, tp: int, kv_tokens: int) -> ModelNeed:
-    """``fields``: the Qwen3 config values (hidden_size, ..., head_dim resolved), checked >= 1.
-    Python ints throughout: no overflow whatever the values."""
+    """``fields``: the Qwen3 config values (hidden_size, ..., head_dim resolved), checked >= 1,
+    and its quantization_config if any (FP8: 1 byte per projection weight + one fp32 scale per
+    128 x 128 block). Python ints throughout: no overflow whatever the values."""
     h, inter = fields["hidden_size"], fields["intermediate_size"]
     layers, vocab = fields["num_hidden_layers"], fields["vocab_size"]
     heads, kv, hd = fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]
     kv_local = kv_heads_per_rank(kv, tp)
     q_local = -(-heads // tp)
-    per_layer = (
-        h * (q_local + 2 * kv_local) * hd  # qkv_proj
-        + q_local * hd * h  # o_proj
-        + 3 * h * -(-inter // tp)  # gate_up_proj, down_proj
-        + 2 * h + 2 * hd  # input / post-attention norms, q / k norms
+    inter_local = -(-inter // tp)
+    # [N, K] per rank of qkv_proj, o_proj, gate_up_proj, down_proj
+    projections = [((q_local + 2 * kv_local) * hd, h), (h, q_local * hd),
+                   (2 * inter_local, h), (h, inter_local)]
+    others = (
+        2 * h + 2 * hd  # input / post-attention norms, q / k norms
         + (q_local + 2 * kv_local) * hd * bool(fields.get("attention_bias"))
     )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    qc = fields.get("quantization_config")
+    quantization = "fp8" if isinstance(qc, dict) and qc.get("quant_method") == "fp8" else None
+    if quantization:
+        blocks = lambda n: -(-n // 128)  # noqa: E731
+        proj_bytes = sum(n * k + 4 * blocks(n) * blocks(k) for n, k in projections)
+    else:
+        proj_bytes = sum(n * k for n, k in projections) * itemsize
     vocab_local = -(-vocab // tp)
     embed = vocab_local * h * (1 if fields.get("tie_word_embeddings") else 2)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    weights = (layers * per_layer + embed + h) * itemsize
+    weights = layers * (proj_bytes + others * itemsize) + (embed + h) * itemsize
     rope = fields["max_position_embeddings"] * hd * 4
     kv_bytes = 2 * layers * kv_local * hd * itemsize * kv_tokens
-    return ModelNeed(weights, rope, kv_bytes, kv_tokens)
+    return ModelNeed(weights, rope, kv_bytes, kv_tokens, quantization)
 
 
 @dataclass(frozen=True)
@@ -110,5 +120,7 @@ def size(n: int) -> str:
 def describe(need: ModelNeed, dtype: torch.dtype, tp: int) -> str:
     dt = str(dtype).removeprefix("torch.")
     ranks = f" per rank of {tp}" if tp > 1 else ""
+    if need.quantization:
+        dt += f" with {need.quantization} projections"
     return (f"~{size(need.total)}{ranks} (weights {size(need.weights)} at {dt}, rope table "
             f"{size(need.rope)}, KV cache {size(need.kv)} for {need.kv_tokens:,} tokens)")

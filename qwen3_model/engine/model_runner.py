@@ -179,6 +179,11 @@ class ModelRunner(StepInputs, CudaGraphs):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
+            elif p.dtype == torch.float8_e4m3fn:  # FP8: N(0, 1) in e4m3 times 0.02 (the scales)
+                p.copy_(torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+                        .normal_(0.0, 1.0, generator=gen))
+            elif name.endswith("weight_scale_inv"):
+                p.fill_(0.02)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 

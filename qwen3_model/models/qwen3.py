@@ -7,6 +7,10 @@
 
 Parameter names follow the Hugging Face checkpoint, except the fused projections listed in
 ``packed_modules_mapping`` (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+
+A config with Qwen's FP8 ``quantization_config`` (Qwen3-*-FP8) builds the seven projections
+with float8_e4m3fn weights and their ``weight_scale_inv`` block scales (layers/linear.py);
+embeddings, norms and lm_head stay at the default dtype.
 """
 
 from __future__ import annotations
@@ -26,10 +30,19 @@ from qwen3_model.layers.linear import (
     linear_silu_and_mul,
 )
 from qwen3_model.layers.rotary import RotaryEmbedding, rope_parameters
+from qwen3_model.loader import quantization_method
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def quantization_of(config) -> str | None:
+    """None (bf16 weights) or "fp8", from the config's quantization_config (checked: a
+    CheckpointError, a ValueError, for a format this model does not run)."""
+    fields = {"quantization_config": getattr(config, "quantization_config", None),
+              "num_hidden_layers": config.num_hidden_layers}
+    return quantization_method(fields, "Qwen3 config")
 
 
 def check_qwen3_config(config) -> None:
@@ -59,20 +72,22 @@ def check_qwen3_config(config) -> None:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, quantization: str | None = None):
         super().__init__()
         head_dim = head_dim_of(config)
         eps = config.rms_norm_eps
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, bias
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias, quantization, "qkv_proj"
         )
         self.num_heads = self.qkv_proj.num_heads  # local
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # local
         # q width = heads * head_dim, not hidden_size (they differ for 0.6B, 1.7B, 4B, 32B)
         # unreduced: the decoder sums it over the ranks inside the next residual add + norm
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias,
-                                        reduce_results=False)
+                                        reduce_results=False, quantization=quantization,
+                                        name="o_proj")
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self.rotary_emb = rotary_emb  # one table shared by every layer
@@ -85,23 +100,27 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, quantization: str | None = None):
         super().__init__()
         i = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i])
-        self.down_proj = RowParallelLinear(i, config.hidden_size, reduce_results=False)  # as o_proj
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [i, i],
+                                                       quantization=quantization,
+                                                       name="gate_up_proj")
+        self.down_proj = RowParallelLinear(i, config.hidden_size, reduce_results=False,  # as o_proj
+                                           quantization=quantization, name="down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         # silu_and_mul(gate_up_proj(x)), fused into the GEMV where that runs
-        h = linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, I]
+        gu = self.gate_up_proj
+        h = linear_silu_and_mul(x, gu.weight, gu.bias, gu.weight_scale_inv)  # [T, I]
         return self.down_proj(h)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, quantization: str | None = None):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, rotary_emb)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, rotary_emb, quantization)
+        self.mlp = Qwen3MLP(config, quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -121,12 +140,13 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, quantization: str | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # [max_position, head_dim] fp32, built once: a copy per layer would cost ~0.6 GB at 28 layers
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, rotary, quantization)
+                                     for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -154,8 +174,9 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         check_qwen3_config(config)
         self.config = config
+        self.quantization = quantization_of(config)
         self.tp_size = get_tp_world_size()
-        self.model = Qwen3Model(config)
+        self.model = Qwen3Model(config, self.quantization)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -120,6 +120,31 @@ cudaError_t tp_gemv_push(void* out,                  // [1, N]
                          int64_t slot_bytes, int world, int rank, DType dtype,
                          cudaStream_t stream);
 
+// ---- gemm/*fp8* : FP8 (e4m3) block-scaled projections (Qwen3-*-FP8 checkpoints) --------------
+// Weights float8_e4m3fn [N, K] with fp32 weight_scale_inv [ceil(N/128), ceil(K/128)] (value =
+// weight * scale of its 128 x 128 block); activations quantized per token per 128-wide group of K
+// (reference.quantize_fp8: scale = max(|group|, 1e-10) / 448). Hopper (sm_90) only:
+// cudaErrorNotSupported elsewhere (the Python wrapper then runs the reference).
+
+// x [T, K] (row stride x_stride) -> out [T, K] e4m3 (contiguous) and x_scales[t, g] at
+// x_scales + t * scale_stride_t + g * scale_stride_g (any layout; the GEMM reads token-contiguous).
+cudaError_t quantize_fp8(void* out, float* x_scales, const void* x, int64_t t, int64_t k,
+                         int64_t x_stride, int64_t scale_stride_t, int64_t scale_stride_g,
+                         DType dtype, cudaStream_t stream);
+
+// out[M, N] = quantize_fp8(x)[M, K] @ dequant(w)[N, K]^T, rounded to bf16 (kernels/gemm/
+// linear_fp8.cu picks the kernel: the FP8 GEMV at M == 1, which quantizes x itself; above,
+// quantize_fp8 into the workspace and the CUTLASS block-scaled GEMM). x, out contiguous bf16;
+// K % 16 == 0, N % 8 == 0; pointers 16-byte aligned.
+size_t linear_fp8_workspace_size(int64_t m, int64_t n, int64_t k);
+cudaError_t linear_fp8(void* out,                      // [M, N] bf16
+                       const void* x,                  // [M, K] bf16
+                       const void* w,                  // [N, K] e4m3
+                       const float* weight_scale_inv,  // [ceil(N/128), ceil(K/128)]
+                       int64_t m, int64_t n, int64_t k,
+                       void* workspace,  // linear_fp8_workspace_size(m, n, k) bytes, any content
+                       size_t workspace_bytes, cudaStream_t stream);
+
 // ---- custom_all_reduce.cu --------------------------------------------------------------------
 // One-shot tensor-parallel all-reduce over peer (NVLink) memory: s = sum over ranks of x in rank
 // order (fp32, rounded to the dtype); add_rms_norm: residual += s, x = rms_norm(residual) * weight,

@@ -1,0 +1,281 @@
+// fp8::gemv: linear_fp8 at one token, a weight-streaming pass over the e4m3 weight [N, K] with
+// its block scales; x [1, K] bf16 is quantized per 128-group inside every CTA (the values
+// quantize_fp8 gives), so it is one launch with no workspace.
+//
+// Per weight byte it does half the FMAs of the bf16 GEMV (linear_gemv.cu), but on the CUDA cores
+// each e4m3 pair would still cost a cvt to f16x2, two f16 -> f32 conversions and two FFMAs: about
+// 2.5 instructions a byte against the bf16 GEMV's 1.5. The products go to the tensor cores
+// instead (mma.sync m16n8k16, f16 in, f32 accumulation; e4m3 values and their products are exact
+// in f16 and f32): a lane's 16-byte load is one cvt per byte pair and two mma, and x is the B
+// operand, broadcast to all 8 columns (7 of them wasted, which costs nothing the memory would
+// notice). Sm_90 has no fp8 mma.sync of its own (ptxas lowers the e4m3 one to cvt + f16 mma),
+// so f16 mma after our own cvt is the same work, and it builds for sm_80 as well.
+//
+//   - A CTA owns 16 weight rows (the M of one mma) over all of K: N / 16 CTAs of 4 warps (256
+//     for N = 4096, 1536 for 24576), several per SM, scheduled dynamically as in the bf16 GEMV.
+//     Its 16 rows are one 16 x K contiguous block of the weight; warp w reads the 256-column
+//     stages w, w + 4, ... of it, so the CTA's reads at any moment are about 16 rows x 1 KB.
+//     The 4 warps' partial sums meet in shared memory at the end; every output is written once.
+//   - The mma fixes which lane holds what: lane (g, t) = (lane / 4, lane % 4) holds rows g and
+//     g + 8 at k = 2t, 2t + 1, 2t + 8, 2t + 9 of each k16 step. Any permutation of k that is the
+//     same for every row and for x gives the same dot product, so a lane reads 16 contiguous
+//     bytes of rows g and g + 8 at column 16 t (+ 64 j) and feeds them as four k16 steps; x is
+//     read from shared memory at the same columns. A warp's load instruction covers 64 bytes of
+//     each of 8 rows; its 4 loads of a stage, issued back to back, 256 contiguous bytes of each
+//     row.
+//   - Scales: a stage is two 128-groups. Each group's 8 mma accumulate from zero, then the sum is
+//     scaled once: acc += d * (weight_scale_inv[n / 128, g] * x_scale[g]) (one shared-memory
+//     word per group, computed while quantizing x). Only the summation order and the point at
+//     which the two scales multiply differ from reference.linear_fp8.
+//   - Loads as in the bf16 GEMV: ld.global.nc.L1::no_allocate, 16 bytes; two stages (8 loads a
+//     lane each) ping-pong, so 8..16 loads a lane are in flight; the first two stages are issued
+//     before griddepcontrol.wait and stay in flight while the CTA quantizes x (PDL launch on
+//     sm_90, trigger after the last store, as linear_gemv.cu measured best).
+//   - x: each CTA reads x [1, K] (2 K bytes, from L2), quantizes it (quantize_fp8.cuh: half a
+//     warp a group) and keeps the e4m3 values as f16 in shared memory (2 K bytes; 51 KB at K =
+//     25600), zero-padded to whole stages so the partial last group needs no branch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <atomic>
+
+#include "linear_fp8.h"
+#include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/launch.cuh"
+#include "quantize_fp8.cuh"
+
+namespace qwen3_kernels::fp8 {
+namespace {
+
+constexpr int kWarps = 4;  // per CTA
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16;                   // weight rows a CTA: the M of one m16n8k16
+constexpr int kChunks = 4;                  // 64-column chunks a stage (16 bytes a lane each)
+constexpr int kStageCols = 64 * kChunks;    // 256: two groups
+constexpr int kGroupsPerStage = kStageCols / kGroup;
+constexpr int kQuantUnroll = 4;             // x loads a lane has in flight while quantizing
+constexpr int kMaxDevices = 64;
+static_assert(kRows <= kGroup && kGroup % kRows == 0, "a CTA's rows share one weight block row");
+
+// Rows g and g + 8 of one stage: chunk j is columns kb + 64 j + 16 t .. + 15.
+struct Stage {
+  uint4 lo[kChunks], hi[kChunks];
+};
+
+// A stage's loads; columns at or past k (k % 16 == 0: a lane's 16 are all in or all out) and rows
+// past n read nothing and hold zeros.
+__device__ __forceinline__ void load_stage(Stage& s, const uint8_t* row_lo, const uint8_t* row_hi,
+                                           bool lo_ok, bool hi_ok, int kb, int lane_col, int k) {
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int col = kb + 64 * j + lane_col;
+    s.lo[j] = lo_ok && col < k ? load_stream<false>(row_lo + col) : make_uint4(0, 0, 0, 0);
+    s.hi[j] = hi_ok && col < k ? load_stream<false>(row_hi + col) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// d += a (16 x 16, row) * b (16 x 8, col), f16 in, f32 accumulate.
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The 16 weights a lane holds of one row at chunk j, as 8 f16x2 words: word i = columns 2 i,
+// 2 i + 1 of the lane's 16.
+__device__ __forceinline__ void to_half2x8(const uint4& w, uint32_t (&h)[8]) {
+  e4m3x4_to_half2x2(w.x, h[0], h[1]);
+  e4m3x4_to_half2x2(w.y, h[2], h[3]);
+  e4m3x4_to_half2x2(w.z, h[4], h[5]);
+  e4m3x4_to_half2x2(w.w, h[6], h[7]);
+}
+
+// acc[0] (row g) and acc[1] (row g + 8) += this stage's dot products, group by group.
+// xh: x as f16 [k padded to stages]; sc: [groups] weight scale * x scale.
+__device__ __forceinline__ void compute_stage(const Stage& s, int kb, int lane_col, int k,
+                                              const uint16_t* xh, const float* sc,
+                                              float (&acc)[2]) {
+#pragma unroll
+  for (int h = 0; h < kGroupsPerStage; ++h) {
+    const int group = kb / kGroup + h;
+    if (group * kGroup >= k) break;  // uniform: past the last group
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int jj = 0; jj < kChunks / kGroupsPerStage; ++jj) {
+      const int j = h * (kChunks / kGroupsPerStage) + jj;
+      const int col = kb + 64 * j + lane_col;
+      const uint4 x0 = *reinterpret_cast<const uint4*>(xh + col);
+      const uint4 x1 = *reinterpret_cast<const uint4*>(xh + col + 8);
+      const uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      uint32_t lo[8], hi[8];
+      to_half2x8(s.lo[j], lo);
+      to_half2x8(s.hi[j], hi);
+      // k16 step m: a lane's columns 4 m .. 4 m + 3 as the fragment's k 2t, 2t+1 (a0, a1) and
+      // 2t+8, 2t+9 (a2, a3), x at the same columns as b0, b1.
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
+        const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
+        mma_m16n8k16(d, a, b);
+      }
+    }
+    // d[0] = D[g][2t], d[2] = D[g + 8][2t]: every column of D is the same dot product
+    const float scale = sc[group];
+    acc[0] = fmaf(d[0], scale, acc[0]);
+    acc[1] = fmaf(d[2], scale, acc[1]);
+  }
+}
+
+// x [1, k] -> xh (its quantize_fp8 values as f16) and sc[g] = w_scale_row[g] * x_scale[g], for
+// every group up to the padded end (groups past k come out as zeros). Half a warp a group, the
+// CTA's 8 half-warps kQuantUnroll groups apart; the x and scale loads of kQuantUnroll groups are
+// issued before any arithmetic.
+__device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
+                                           const float* __restrict__ w_scale_row, int k,
+                                           int groups, int padded_groups, uint16_t* xh,
+                                           float* sc) {
+  constexpr int kHalfWarps = kThreads / kGroupLanes;
+  const int half_warp = threadIdx.x / kGroupLanes;
+  const int col_in_group = 8 * (threadIdx.x % kGroupLanes);
+  for (int g0 = 0; g0 < padded_groups; g0 += kHalfWarps * kQuantUnroll) {
+    uint4 v[kQuantUnroll];
+    float ws[kQuantUnroll];
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) {
+      const int group = g0 + u * kHalfWarps + half_warp;
+      const int col = group * kGroup + col_in_group;
+      v[u] = col < k ? __ldg(reinterpret_cast<const uint4*>(x + col)) : make_uint4(0, 0, 0, 0);
+      ws[u] = group < groups ? __ldg(w_scale_row + group) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantUnroll; ++u) {
+      const int group = g0 + u * kHalfWarps + half_warp;
+      const int col = group * kGroup + col_in_group;
+      const float scale =
+          group_scale(bits_to_float<__nv_bfloat16>(group_max_bits(abs_max_bits8(v[u]))));
+      if (group < padded_groups) {
+        const uint2 q = quantize8<__nv_bfloat16>(v[u], scale);
+        uint4 h;
+        e4m3x4_to_half2x2(q.x, h.x, h.y);
+        e4m3x4_to_half2x2(q.y, h.z, h.w);
+        *reinterpret_cast<uint4*>(xh + col) = h;
+        if (col_in_group == 0 && group < groups) sc[group] = ws[u] * scale;
+      }
+    }
+  }
+}
+
+// Grid ceil(n / 16) CTAs of 4 warps; CTA b owns rows 16 b .. 16 b + 15. Dynamic shared memory:
+// [xh: stages * 256 f16][sc: stages * 2 fp32].
+template <bool kPdl>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(__nv_bfloat16* __restrict__ out,      // [1, n]
+                const __nv_bfloat16* __restrict__ x,  // [1, k]
+                const uint8_t* __restrict__ w,        // [n, k] e4m3
+                const float* __restrict__ w_scales,   // [ceil(n / 128), ceil(k / 128)]
+                int n, int k) {
+  extern __shared__ uint4 smem[];
+  __shared__ float partial[kWarps][kRows];
+  const int stages = (k + kStageCols - 1) / kStageCols;
+  const int groups = (k + kGroup - 1) / kGroup;
+  auto* xh = reinterpret_cast<uint16_t*>(smem);
+  auto* sc = reinterpret_cast<float*>(xh + stages * kStageCols);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, lane_col = 16 * (lane % 4);
+  const int row0 = blockIdx.x * kRows;
+  // n % 8 == 0: rows g + 8 .. of the last CTA are all past n or none is
+  const bool lo_ok = row0 + g < n, hi_ok = row0 + g + 8 < n;
+  const uint8_t* row_lo = w + static_cast<int64_t>(lo_ok ? row0 + g : 0) * k;
+  const uint8_t* row_hi = w + static_cast<int64_t>(hi_ok ? row0 + g + 8 : 0) * k;
+
+  // The weight is no kernel's output: its first two stages stream in while the kernel before
+  // finishes and while x is quantized.
+  Stage a, b;
+  load_stage(a, row_lo, row_hi, lo_ok, hi_ok, warp * kStageCols, lane_col, k);
+  load_stage(b, row_lo, row_hi, lo_ok, hi_ok, (warp + kWarps) * kStageCols, lane_col, k);
+  if constexpr (kPdl) pdl_wait();  // x may be the previous kernel's output, out its input
+
+  quantize_x(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k, groups,
+             stages * kGroupsPerStage, xh, sc);
+  __syncthreads();
+
+  float acc[2] = {0.f, 0.f};
+  for (int s = warp; s < stages; s += 2 * kWarps) {
+    compute_stage(a, s * kStageCols, lane_col, k, xh, sc, acc);
+    load_stage(a, row_lo, row_hi, lo_ok, hi_ok, (s + 2 * kWarps) * kStageCols, lane_col, k);
+    if (s + kWarps < stages) compute_stage(b, (s + kWarps) * kStageCols, lane_col, k, xh, sc, acc);
+    load_stage(b, row_lo, row_hi, lo_ok, hi_ok, (s + 3 * kWarps) * kStageCols, lane_col, k);
+  }
+
+  if (lane % 4 == 0) {
+    partial[warp][g] = acc[0];
+    partial[warp][g + 8] = acc[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows && row0 + static_cast<int>(threadIdx.x) < n) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) sum += partial[i][threadIdx.x];
+    out[row0 + threadIdx.x] = __float2bfloat16_rn(sum);
+  }
+  // The next PDL kernel is scheduled only once every CTA got here (linear_gemv.cu: its CTAs then
+  // find the SMs nearly empty).
+  if constexpr (kPdl) pdl_launch_dependents();
+}
+
+size_t smem_bytes(int64_t k) {
+  const int64_t stages = (k + kStageCols - 1) / kStageCols;
+  return static_cast<size_t>(stages * kStageCols * 2 + stages * kGroupsPerStage * 4);
+}
+
+// Above 48 KB of shared memory (K > ~24000) a kernel must opt in, per device: once per device
+// each kernel is allowed all the device offers (setting the same value twice is harmless); a K
+// beyond that then fails at the launch.
+cudaError_t allow_all_smem(const void* kernel, std::atomic<bool> (&done)[kMaxDevices]) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices && done[dev].load(std::memory_order_relaxed))
+    return cudaSuccess;
+  int optin = 0;
+  cudaFuncAttributes attr{};
+  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               optin - static_cast<int>(attr.sharedSizeBytes));
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices) done[dev].store(true, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales, int64_t n,
+                 int64_t k, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  // k == 0 would leave out unwritten (an empty sum is 0, but nothing here writes it)
+  if (n < 0 || k <= 0 || n % 8 || k % 16 || n > (int64_t{1} << 30) || k > (int64_t{1} << 20) ||
+      !aligned16(x) || !aligned16(w) || w_scales == nullptr)
+    return cudaErrorInvalidValue;
+  const size_t smem = smem_bytes(k);
+  const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
+  auto* o = static_cast<__nv_bfloat16*>(out);
+  auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* wb = static_cast<const uint8_t*>(w);
+  const int ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const bool pdl = current_device_info().cc_major >= 9;
+  auto kernel = pdl ? gemv_kernel<true> : gemv_kernel<false>;
+  if (smem > 48 * 1024) {
+    static std::atomic<bool> allowed[2][kMaxDevices];
+    const cudaError_t err = allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[pdl]);
+    if (err != cudaSuccess) return err;
+  }
+  return launch_ex(kernel, LaunchConfig(grid, dim3(kThreads), smem, stream, pdl, 1), o, xb, wb,
+                   w_scales, ni, ki);
+}
+
+}  // namespace qwen3_kernels::fp8

@@ -1,0 +1,273 @@
+// fp8::gemm: the block-scaled FP8 GEMM of linear_fp8 above one token, on Hopper with CUTLASS 3.x
+// (the sm90 "blockwise scaling" collective of CUTLASS example 67):
+//
+//   out[t, n] = sum_g x_scales[g, t] * w_scales[n / 128, g] * sum_{k in g} xq[t, k] * w[n, k]
+//
+// rounded to bf16 once at the end, g running over the 128-wide groups of K.
+//
+// What the kernel does:
+//   1. TMA loads xq (A, [M, K] K-major) and w (B, [N, K] K-major) tiles of K = 128 (one scale
+//      group per k-tile) into a multi-stage shared-memory ring; a producer warp group issues
+//      them, consumer warp groups run e4m3 wgmma with fp32 accumulation.
+//   2. Scales in the mainloop: each k-tile's wgmma accumulate into a fresh fp32 register tile,
+//      which is then added to the running sum times x_scale[row] * w_scale (CUTLASS's
+//      GmmaFP8Accumulation "promotion" every 128 of K), so no product is ever formed in fp8
+//      range. The activation scales are one per row (SFA granularity 1 x 128, MN-major: a tile's
+//      128 or 64 row scales are one contiguous TMA box per k-tile); the weight scale is one per
+//      tile (SFB granularity 128 x 128, K-major: w_scales row-major as the checkpoint stores it).
+//   3. K need not be a multiple of 128: the last k-tile's TMA zero-fills past K, so the partial
+//      group contributes exactly its K % 128 columns, scaled by its own (last) scale column.
+//      M and N tails are zero-filled the same way and clipped by the epilogue's TMA store.
+//   4. Persistent grids: the cooperative configuration runs CUTLASS's stream-K scheduler with
+//      its heuristic decomposition (data-parallel when the tiles fill the SMs in whole waves,
+//      stream-K / split-K otherwise: at a few tokens N / 128 tiles would leave most SMs idle);
+//      the ping-pong configuration (stream-K does not support it) the plain persistent one.
+//
+// x_scales are read token-contiguous: scale (t, g) at x_scales[g * scale_stride + t] with
+// scale_stride >= M a multiple of 4 (TMA: 16-byte rows). The GEMM sees SFA as scale_stride rows:
+// rows M..scale_stride-1 are padding whose (unwritten) values only ever multiply rows of A that
+// TMA zero-filled past M, and those output rows are never stored.
+//
+// Built for sm_90a and sm_80: CUTLASS compiles the kernel body only for sm_90a (elsewhere it is a
+// stub), and the host side returns cudaErrorNotSupported unless the device is compute 9.0.
+#include <cstdint>
+#include <limits>
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler_params.h"
+#include "cutlass/util/packed_stride.hpp"
+
+#include "linear_fp8.h"
+#include "qwen3_kernels/launch.cuh"  // current_device_info
+
+namespace qwen3_kernels::fp8 {
+namespace {
+
+using namespace cute;
+
+// One GEMM call, whatever the configuration.
+struct Call {
+  void* out;              // [M, N] bf16
+  const void* xq;         // [M, K] e4m3
+  const float* x_scales;  // [ceil(K/128), scale_stride]
+  const void* w;          // [N, K] e4m3
+  const float* w_scales;  // [ceil(N/128), ceil(K/128)]
+  int m, n, k, scale_stride;
+  int device, sm_count;   // the current device and its SM count (cached)
+};
+
+// One configuration of the block-scaled GEMM. Everything but the tile, cluster and schedules is
+// fixed by the format: e4m3 operands both K-major, fp32 accumulation and scales, bf16 out.
+template <class TileShape_,         // CTA tile (M, N, K); K = 128: one scale group a k-tile
+          class ClusterShape_,      // CTAs a cluster (M, N, 1): TMA multicast of the shared operand
+          class KernelSchedule_,    // cooperative (2 consumer WGs, one tile) or ping-pong (1 each)
+          class EpilogueSchedule_,  // matches the mainloop's
+          class TileScheduler_>     // StreamKScheduler (cooperative only) or PersistentScheduler
+struct BlockScaledGemm {
+  using ElementA = cutlass::float_e4m3_t;                      // xq [M, K]
+  using LayoutA = cutlass::layout::RowMajor;                   // K contiguous
+  static constexpr int AlignmentA = 16;                        // 16-byte TMA rows: K % 16 == 0
+  using ElementB = cutlass::float_e4m3_t;                      // w [N, K]
+  using LayoutB = cutlass::layout::ColumnMajor;                // [K, N] stored as [N, K]
+  static constexpr int AlignmentB = 16;
+  using ElementD = cutlass::bfloat16_t;                        // out [M, N]
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int AlignmentD = 8;                         // N % 8 == 0: 16-byte output rows
+  using ElementC = void;                                       // no source operand: D = acc
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ArchTag = cutlass::arch::Sm90;
+  using OperatorClass = cutlass::arch::OpClassTensorOp;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+
+  // Scale granularity (M, N, K) = (1, 128, 128): a scale per token per group (SFA, MN-major:
+  // tokens contiguous) and one per 128 x 128 weight block (SFB, K-major: groups contiguous).
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGroup, kGroup,
+                                                                cute::GMMA::Major::MN,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      ArchTag, OperatorClass, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementCompute,
+      ElementC, LayoutD, AlignmentD,
+      ElementD, LayoutD, AlignmentD,
+      EpilogueSchedule_>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      ArchTag, OperatorClass,
+      ElementA, cute::tuple<LayoutA, LayoutSFA>, AlignmentA,
+      ElementB, cute::tuple<LayoutB, LayoutSFB>, AlignmentB,
+      ElementAccumulator, TileShape, ClusterShape,
+      // as many pipeline stages as fit next to the epilogue's shared memory
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule_>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>,  // (M, N, K, L = 1)
+      CollectiveMainloop, CollectiveEpilogue, TileScheduler_>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  using StrideA = typename GemmKernel::StrideA;
+  using StrideB = typename GemmKernel::StrideB;
+  using StrideC = typename GemmKernel::StrideC;
+  using StrideD = typename GemmKernel::StrideD;
+
+  static typename Gemm::Arguments arguments(const Call& c) {
+    // SFA spans scale_stride rows (see the top of the file), its groups scale_stride apart.
+    const LayoutSFA layout_sfa =
+        ScaleConfig::tile_atom_to_shape_SFA(make_shape(c.scale_stride, c.n, c.k, 1));
+    const LayoutSFB layout_sfb = ScaleConfig::tile_atom_to_shape_SFB(make_shape(c.m, c.n, c.k, 1));
+
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = c.device;
+    hw_info.sm_count = c.sm_count;  // cached: no device query per call
+
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {c.m, c.n, c.k, 1},
+        {static_cast<const ElementA*>(c.xq),
+         cutlass::make_cute_packed_stride(StrideA{}, {c.m, c.k, 1}),
+         static_cast<const ElementB*>(c.w),
+         cutlass::make_cute_packed_stride(StrideB{}, {c.n, c.k, 1}),
+         c.x_scales, layout_sfa, c.w_scales, layout_sfb},
+        {{1.0f, 0.0f},
+         nullptr, cutlass::make_cute_packed_stride(StrideC{}, {c.m, c.n, 1}),
+         static_cast<ElementD*>(c.out), cutlass::make_cute_packed_stride(StrideD{}, {c.m, c.n, 1})},
+        hw_info};
+    return args;  // the scheduler's defaults: heuristic decomposition / raster, no swizzle
+  }
+
+  static size_t workspace_size(const Call& c) { return Gemm::get_workspace_size(arguments(c)); }
+
+  static cudaError_t run(const Call& c, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream) {
+    auto args = arguments(c);
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
+    if (Gemm::get_workspace_size(args) > workspace_bytes) return cudaErrorInvalidValue;
+    Gemm gemm;
+    // initialize builds the TMA descriptors on the host and zeroes the stream-K barriers with
+    // cudaMemsetAsync on the stream: graph-capturable.
+    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      return err != cudaSuccess ? err : cudaErrorUnknown;
+    }
+    if (gemm.run(stream) != cutlass::Status::kSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      return err != cudaSuccess ? err : cudaErrorLaunchFailure;
+    }
+    return cudaGetLastError();
+  }
+};
+
+// The configurations (each instantiation costs minutes of nvcc: keep them few).
+//   Coop128: 128 x 128 tile, two consumer warp groups of 64 rows each; a 1 x 2 cluster multicasts
+//     the activation tile to the two CTAs of neighbouring weight tiles. Stream-K scheduler.
+//   Pingpong64: 64 x 128 tile per consumer warp group, the two alternating so that one's
+//     epilogue overlaps the other's mainloop; half the row padding of Coop128 when M is not a
+//     multiple of 128, twice the tiles. Persistent scheduler, same cluster.
+// (A 128 x 256 tile would need 2 x 128 fp32 accumulator registers a thread with the promotion
+// buffer: past the 232 a consumer thread gets.)
+using Coop128 = BlockScaledGemm<
+    Shape<_128, _128, _128>, Shape<_1, _2, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler>;
+using Pingpong64 = BlockScaledGemm<
+    Shape<_64, _128, _128>, Shape<_1, _2, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecialized,
+    cutlass::gemm::PersistentScheduler>;
+
+enum class Config { kCoop128, kPingpong64 };
+
+// The choice, by shape. NOT YET MEASURED: the rule below is the starting point that
+// benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
+// what each configuration measured on the H200 and why the winner won).
+//   - Few tokens (M <= 64): Coop128. N / 128 tiles (32 for a 4096-row weight) would leave most
+//     of the 132 SMs idle under a data-parallel grid; only the stream-K scheduler spreads the
+//     K loop of those tiles over every SM, and the weight read is the whole cost.
+//   - Mid M: Pingpong64 when its 64-row tiles already fill the SMs at least twice over
+//     (ceil(M/64) * ceil(N/128) >= 2 * SMs) and M <= 1024: finer waves and less row padding.
+//   - Otherwise (every M >= 2048 target shape): Coop128, data-parallel or stream-K by CUTLASS's
+//     heuristic on the wave count.
+Config choose(int64_t m, int64_t n, int sm_count) {
+  if (m <= 64) return Config::kCoop128;
+  const int64_t tiles64 = (m + 63) / 64 * ((n + 127) / 128);
+  if (m <= 1024 && tiles64 >= 2 * static_cast<int64_t>(sm_count)) return Config::kPingpong64;
+  return Config::kCoop128;
+}
+
+// Fills the call but its buffers; cudaErrorNotSupported off compute 9.0 (sm_90a code only).
+cudaError_t make_call(int64_t m, int64_t n, int64_t k, int64_t scale_stride, Call& c,
+                      Config& config) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (m < 1 || n < 8 || k < 16 || n % 8 != 0 || k % 16 != 0 || scale_stride < m ||
+      scale_stride % 4 != 0 || m > kIntMax || n > kIntMax || k > kIntMax ||
+      scale_stride > kIntMax) {
+    return cudaErrorInvalidValue;
+  }
+  const DeviceInfo d = current_device_info();
+  if (d.cc_major != 9 || d.cc_minor != 0 || d.num_sms <= 0) return cudaErrorNotSupported;
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  c = Call{};
+  c.m = static_cast<int>(m);
+  c.n = static_cast<int>(n);
+  c.k = static_cast<int>(k);
+  c.scale_stride = static_cast<int>(scale_stride);
+  c.device = device;
+  c.sm_count = d.num_sms;
+  config = choose(m, n, d.num_sms);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+size_t gemm_workspace_size(int64_t m, int64_t n, int64_t k) {
+  Call c;
+  Config config;
+  // The workspace (stream-K partial tiles and barriers) depends on the tiles, not on where the
+  // scales live: any valid scale_stride gives the size gemm() will ask for.
+  if (make_call(m, n, k, (m + 3) / 4 * 4, c, config) != cudaSuccess) return 0;
+  return config == Config::kPingpong64 ? Pingpong64::workspace_size(c)
+                                       : Coop128::workspace_size(c);
+}
+
+cudaError_t gemm(void* out, const void* xq, const float* x_scales, int64_t scale_stride,
+                 const void* w, const float* w_scales, int64_t m, int64_t n, int64_t k,
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  Call c;
+  Config config;
+  const cudaError_t err = make_call(m, n, k, scale_stride, c, config);
+  if (err != cudaSuccess) return err;
+  // TMA needs 16-byte aligned bases (its rows are: K % 16, N % 8, scale_stride % 4 == 0).
+  for (const void* p : {static_cast<const void*>(out), xq, static_cast<const void*>(x_scales), w,
+                        static_cast<const void*>(w_scales)}) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return cudaErrorMisalignedAddress;
+  }
+  c.out = out;
+  c.xq = xq;
+  c.x_scales = x_scales;
+  c.w = w;
+  c.w_scales = w_scales;
+  return config == Config::kPingpong64
+             ? Pingpong64::run(c, workspace, workspace_bytes, stream)
+             : Coop128::run(c, workspace, workspace_bytes, stream);
+}
+
+}  // namespace qwen3_kernels::fp8

@@ -15,6 +15,10 @@ Bytes that must move: K and V of every context read once, plus q and out. K/V se
 sets together exceed the 60 MB L2.
 Goals (TARGETS.md): >= 0.95x cuDNN at batch >= 16, context >= 2k; >= 1.0x cuDNN at batch 1, ctx 32k.
 
+FP8 KV cache rows ("fp8 kv"): the same K/V rounded to e4m3 (scale 1), read by our kernel; the bytes
+are the e4m3 bytes it moves, the ratio is against cuDNN on the bf16 K/V (what the cache format buys),
+and our bf16-cache kernel on the same problem is the "ours_bf16" baseline.
+
 The row's ratio is against cudnn. The kernel variants and launch flags that lost to the default
 are kept on branch experiment/kernel-launch-variants.
 """
@@ -161,6 +165,41 @@ def test_decode_batch1_short_contexts(b, ctx, hq, hkv, report):
         ours, baselines["cudnn"] = best["ours"], best["cudnn"]
     report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs=16 short", ours,
            baselines, nbytes=nbytes, baseline="cudnn", note="; ".join(notes))
+
+
+FP8_CASES = [(32, 4096), (128, 1024), (16, 2048), (1, 32768)]
+
+
+@pytest.mark.parametrize("b,ctx", FP8_CASES)
+def test_paged_attention_decode_fp8_kv(b, ctx, report):
+    hq, hkv, bs = 32, 8, 16
+    scale = 1 / math.sqrt(D)
+    nbytes = 2 * b * hkv * ctx * D + 2 * b * hq * D * 2
+    sets = _make_sets(b, ctx, hq, hkv, bs)
+    for s in sets:
+        s["k8"] = s["k_cache"].to(torch.float8_e4m3fn)
+        s["v8"] = s["v_cache"].to(torch.float8_e4m3fn)
+    calls = max(len(sets), 8)
+    s0 = sets[0]
+    got = qwen3_kernels.paged_attention_decode(s0["q"], s0["k8"], s0["v8"], s0["block_tables"],
+                                               s0["seq_lens"], scale)
+    want = F.scaled_dot_product_attention(
+        s0["q"].float()[:, :, None], s0["k"].float(), s0["v"].float(), scale=scale,
+        enable_gqa=True)[:, :, 0]
+    err = (got.float() - want).norm().item() / want.norm().item()
+    assert err < 6e-2, f"fp8 kv: relative error {err:.3g} against fp32 SDPA on the bf16 K/V"
+    fp8 = [lambda s=s: qwen3_kernels.paged_attention_decode(
+        s["q"], s["k8"], s["v8"], s["block_tables"], s["seq_lens"], scale, out=s["out"],
+        workspace=s["ws"]) for s in sets]
+    best = rematch({"ours": fp8, "cudnn": _cudnn_fns(sets, scale),
+                    "ours_bf16": _ours_fns(sets, scale)},
+                   {"ours": time_gpu(fp8, calls_per_replay=calls),
+                    "cudnn": time_gpu(_cudnn_fns(sets, scale), calls_per_replay=calls),
+                    "ours_bf16": _time_ours(sets, scale, calls)}, calls_per_replay=calls)
+    report("paged_attention_decode", f"B={b} ctx={ctx} Hq/Hkv={hq}/{hkv} bs={bs} fp8 kv",
+           best["ours"], {"cudnn": best["cudnn"], "ours_bf16": best["ours_bf16"]}, nbytes=nbytes,
+           baseline="cudnn", note=f"rel err vs fp32 on the bf16 K/V {err:.3f}; best of 4, the "
+           "last 3 alternating")
 
 
 def _time_baselines(sets, hq, hkv, scale, calls, only_cudnn=False):

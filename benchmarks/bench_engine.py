@@ -23,6 +23,8 @@ temperature 0.6; throughput = output tokens / wall time of one ``generate`` afte
 --size writes a config.json at the real shape (bf16) to a temp dir and runs it with random weights
 (load_format="dummy"): the speed is the same as a trained checkpoint's, with ignore_eos.
 --quantization fp8 writes it as Qwen3-*-FP8's (e4m3 projections with 128 x 128 block scales).
+--kv-cache-dtype fp8 runs the engine with an e4m3 KV cache (Config.kv_cache_dtype; the scales are
+1.0 with random weights, a --model checkpoint's own where it has them).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402
 
-from qwen3_model.config import SCHEDULING_POLICIES, TP_ALL_REDUCE_CHOICES  # noqa: E402
+from qwen3_model.config import (  # noqa: E402
+    KV_CACHE_DTYPES, SCHEDULING_POLICIES, TP_ALL_REDUCE_CHOICES)
 from qwen3_model.llm import LLM  # noqa: E402
 from qwen3_model.loader import quantization_method, read_config  # noqa: E402
 from qwen3_model.random_checkpoint import QWEN3_SIZES, write_random_checkpoint  # noqa: E402
@@ -175,13 +178,14 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
               tensor_parallel_size=args.tensor_parallel_size,
               scheduling_policy=args.scheduling_policy,
               max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
-              overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce)
+              overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce,
+              kv_cache_dtype=args.kv_cache_dtype)
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
     llm = LLM(path, **kw)
     print(f"engine ready in {time.perf_counter() - start:.1f} s: {llm.model_runner.num_blocks} KV "
-          f"blocks of {args.block_size} tokens, CUDA graphs for "
+          f"blocks of {args.block_size} tokens ({args.kv_cache_dtype}), CUDA graphs for "
           f"{len(llm.model_runner.graphs)} batch sizes"
           + (f", piecewise graphs for mixed steps of up to {pw.max_tokens} tokens "
              f"({len(pw.buckets)} buckets, {pw.capture_seconds:.1f} s)"
@@ -496,6 +500,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="--size's random checkpoint in Qwen3-*-FP8's format (fp8) or not")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache element type: the model's dtype (auto) or float8 e4m3 (fp8)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -648,7 +654,8 @@ def engine_row(result: dict, args) -> dict:
                     max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
                     overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce,
                     tensor_parallel_size=args.tensor_parallel_size,
-                    enforce_eager=args.enforce_eager, block_size=args.block_size)
+                    enforce_eager=args.enforce_eager, block_size=args.block_size,
+                    kv_cache_dtype=args.kv_cache_dtype)
     row = dict(workload=workload, mode=result["mode"], model=result["model"],
                size=None if args.model else args.size, settings=settings,
                output_tok_s=result.get("e2e_tok_s") if batch1 else result.get("tok_s"),
@@ -683,7 +690,9 @@ def write_engine_row(row: dict, results_dir=None, argv=None) -> Path:
             rows = []
 
     def key(r):
-        return (r.get("workload"), r.get("model"), json.dumps(r.get("settings"), sort_keys=True))
+        # rows from before --kv-cache-dtype ran a cache in the model's dtype: the same setting
+        settings = {"kv_cache_dtype": "auto", **(r.get("settings") or {})}
+        return (r.get("workload"), r.get("model"), json.dumps(settings, sort_keys=True))
 
     rows = [r for r in rows if key(r) != key(row)] + [row]
     path.parent.mkdir(parents=True, exist_ok=True)

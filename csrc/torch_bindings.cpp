@@ -25,6 +25,16 @@ DType half_dtype(const at::Tensor& t, const char* op) {
               c10::toString(t.scalar_type()));
 }
 
+// The KV cache's element type and scales: an e4m3 cache carries its per-layer scales; a cache in
+// the model dtype has scales 1 (ops.py refuses any other).
+qwen3_kernels::KvCache kv_cache(const at::Tensor& k_cache, double k_scale, double v_scale) {
+  qwen3_kernels::KvCache kv;
+  kv.fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  kv.k_scale = static_cast<float>(k_scale);
+  kv.v_scale = static_cast<float>(v_scale);
+  return kv;
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "qwen3_kernels.", op, ": CUDA launch failed: ",
               cudaGetErrorString(err));
@@ -80,7 +90,7 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
                   const at::Tensor& k_norm_weight, const at::Tensor& cos_sin_cache,
                   const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& slot_mapping, int64_t num_q_heads, int64_t num_kv_heads,
-                  double eps) {
+                  double eps, double k_scale, double v_scale) {
   const char* op = "qk_norm_rope";
   const DType dt = half_dtype(qkv, op);
   const int64_t t = qkv.size(0);
@@ -93,7 +103,8 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
                    slot_mapping.data_ptr<int32_t>(), k_cache.size(0) * k_cache.size(1), t,
                    qkv.stride(0),
                    static_cast<int>(num_q_heads), static_cast<int>(num_kv_heads),
-                   static_cast<int>(k_cache.size(3)), static_cast<float>(eps), dt, stream()),
+                   static_cast<int>(k_cache.size(3)), static_cast<float>(eps), dt,
+                   kv_cache(k_cache, k_scale, v_scale), stream()),
                op);
 }
 
@@ -101,7 +112,8 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, at::Tensor& workspace) {
+                            const at::Tensor& seq_lens, double scale, at::Tensor& workspace,
+                            double k_scale, double v_scale) {
   const char* op = "paged_attention_decode";
   const DType dt = half_dtype(q, op);
   if (q.size(0) == 0) return;
@@ -113,14 +125,16 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
                    static_cast<int>(q.size(1)), static_cast<int>(k_cache.size(2)),
                    static_cast<int>(q.size(2)), static_cast<int>(k_cache.size(1)),
                    static_cast<int>(block_tables.size(1)), static_cast<int>(workspace.size(2)),
-                   static_cast<float>(scale), num_sms(q), dt, stream()),
+                   static_cast<float>(scale), num_sms(q), dt, kv_cache(k_cache, k_scale, v_scale),
+                   stream()),
                op);
 }
 
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
-                             int64_t max_seqlen_q, double scale) {
+                             int64_t max_seqlen_q, double scale, double k_scale,
+                             double v_scale) {
   const char* op = "paged_attention_prefill";
   const DType dt = half_dtype(q, op);
   const int64_t b = cu_seqlens_q.size(0) - 1;
@@ -133,7 +147,8 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
                    static_cast<int>(max_seqlen_q), static_cast<int>(q.size(1)),
                    static_cast<int>(k_cache.size(2)), static_cast<int>(q.size(2)),
                    static_cast<int>(k_cache.size(1)), static_cast<int>(block_tables.size(1)),
-                   static_cast<float>(scale), dt, stream()),
+                   static_cast<float>(scale), dt, kv_cache(k_cache, k_scale, v_scale),
+                   stream()),
                op);
 }
 

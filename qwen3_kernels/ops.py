@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import torch
 
@@ -46,16 +47,18 @@ SCHEMAS = {
     "qk_norm_rope": (
         "qk_norm_rope(Tensor! q_out, Tensor qkv, Tensor q_norm_weight, Tensor k_norm_weight, "
         "Tensor cos_sin_cache, Tensor positions, Tensor! k_cache, Tensor! v_cache, "
-        "Tensor slot_mapping, int num_q_heads, int num_kv_heads, float eps) -> ()"
+        "Tensor slot_mapping, int num_q_heads, int num_kv_heads, float eps, float k_scale=1., "
+        "float v_scale=1.) -> ()"
     ),
     "paged_attention_decode": (
         "paged_attention_decode(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor! workspace) -> ()"
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor! workspace, float k_scale=1., "
+        "float v_scale=1.) -> ()"
     ),
     "paged_attention_prefill": (
         "paged_attention_prefill(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, "
-        "float scale) -> ()"
+        "float scale, float k_scale=1., float v_scale=1.) -> ()"
     ),
     "linear": "linear(Tensor! out, Tensor x, Tensor weight) -> ()",
     "linear_silu_and_mul": "linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()",
@@ -199,6 +202,19 @@ def _run(name: str, kernel_ok: bool, *args):
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+# (a constant to torch.compile too: traced once, not a guard on a global dict)
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability, asked of the driver once: the kernel choice of
+    the fp8 paths reads it on every op call."""
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap
+
 
 # ----------------------------------------------------------------------------------------------
 # Elementwise / normalisation
@@ -266,14 +282,46 @@ def fused_add_rms_norm(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_kv_cache(op, k_cache, v_cache, dtype, device):
-    _check_tensor(op, "k_cache", k_cache, ndim=4, dtype=dtype, device=device)
-    _check_tensor(op, "v_cache", v_cache, ndim=4, dtype=dtype, device=device)
+KV_CACHE_FP8 = ref.KV_CACHE_FP8  # the fp8 cache's dtype (reference.quantize_kv has the format)
+
+
+def _check_kv_cache(op, k_cache, v_cache, dtype, device, like):
+    """Caches in ``dtype`` (that of the tensor named ``like``) or both float8_e4m3fn."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(op, name, c, ndim=4, device=device)
+        if c.dtype not in (dtype, KV_CACHE_FP8):
+            _fail(op, f"{name} must be {dtype} ({like}'s dtype) or {KV_CACHE_FP8} (an fp8 "
+                      f"cache), got {c.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        _fail(op, f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and "
+                  f"{v_cache.dtype}")
     _check_contiguous(op, "k_cache", k_cache)
     _check_contiguous(op, "v_cache", v_cache)
     _check_shape(op, "v_cache", v_cache, k_cache.shape)
     if k_cache.shape[1] not in (16, 32, 64, 128, 256):
         _fail(op, f"block_size (k_cache.shape[1]) must be one of 16..256 (powers of 2), got {k_cache.shape[1]}")
+
+
+def _check_kv_scales(op, cache_dtype, k_scale, v_scale):
+    """Scalar checks, kept under trusted_inputs: a bad scale is a silently wrong cache.
+    ``0 < s < inf`` rather than math.isfinite: NaN compares False all the same, and comparisons
+    also trace on the symbolic floats torch.compile makes of scales that change between calls."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (isinstance(s, (int, float)) and 0 < s < math.inf):
+            _fail(op, f"{name} must be a finite float > 0, got {s!r}")
+        if cache_dtype != KV_CACHE_FP8 and s != 1.0:
+            _fail(op, f"{name} must be 1.0 for a {cache_dtype} cache (k_scale / v_scale apply to "
+                      f"a {KV_CACHE_FP8} cache only), got {s!r}")
+
+
+def _kv_kernel_ok(dtype, head_dim, cache_dtype, device) -> bool:
+    """Whether the CUDA kernels of qk_norm_rope and paged attention cover the case: bf16 / fp16
+    at Qwen3's head_dim 128, and for an fp8 cache a device of compute capability >= 9.0 (what
+    the kernels' e4m3 paths are written for). Elsewhere the reference runs."""
+    if dtype not in _KERNEL_DTYPES or head_dim != 128:
+        return False
+    return cache_dtype != KV_CACHE_FP8 or (device.type == "cuda"
+                                           and _capability(device.index) >= (9, 0))
 
 
 def qk_norm_rope(
@@ -289,6 +337,9 @@ def qk_norm_rope(
     num_kv_heads: int,
     eps: float,
     q_out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Per-head RMSNorm of q and k, neox RoPE, K/V written into the paged cache.
 
@@ -296,8 +347,12 @@ def qk_norm_rope(
     q_norm_weight  [D], k_norm_weight [D]  same dtype as qkv
     cos_sin_cache  [max_position, D] fp32  cos | sin halves (``reference.rope_cos_sin_cache``)
     positions      [T] int64               each < max_position
-    k_cache        [num_blocks, block_size, Hkv, D] (written), v_cache likewise
+    k_cache        [num_blocks, block_size, Hkv, D] (written), v_cache likewise: qkv's dtype, or
+                   both float8_e4m3fn (an fp8 cache: K and V stored by ``reference.quantize_kv``,
+                   times the fp32 reciprocal of k_scale / v_scale, saturated to +-448)
     slot_mapping   [T] int32               block * block_size + offset; -1 = do not write
+    k_scale, v_scale  finite floats > 0: the layer's fp8 scales; exactly 1.0 for a cache in
+                   qkv's dtype
     returns q_out  [T, Hq, D]
     """
     op = "qk_norm_rope"
@@ -306,7 +361,8 @@ def qk_norm_rope(
         _check_tensor(op, "qkv", qkv, ndim=2, dtypes=_FLOAT_DTYPES)
     dev, dt = qkv.device, qkv.dtype
     if checked:
-        _check_kv_cache(op, k_cache, v_cache, dt, dev)
+        _check_kv_cache(op, k_cache, v_cache, dt, dev, "qkv")
+    _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
     d = k_cache.shape[3]
     if k_cache.shape[2] != num_kv_heads:
         _fail(op, f"k_cache has {k_cache.shape[2]} kv heads, num_kv_heads is {num_kv_heads}")
@@ -337,14 +393,14 @@ def qk_norm_rope(
         _check_tensor(op, "q_out", q_out, ndim=3, dtype=dt, device=dev)
         _check_contiguous(op, "q_out", q_out)
         _check_shape(op, "q_out", q_out, (t, num_q_heads, d))
-    # The CUDA kernel is specialised for Qwen3's head_dim 128; other head dims run the reference.
-    kernel_ok = dt in _KERNEL_DTYPES and d == 128
+    kernel_ok = _kv_kernel_ok(dt, d, k_cache.dtype, dev)
     if checked and _runs_kernel(qkv, kernel_ok):
         index_checks.qk_norm_rope(op, positions, slot_mapping, cos_sin_cache.shape[0],
                                   k_cache.shape[0], k_cache.shape[1])
     _run(
         op, kernel_ok, q_out, qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions,
         k_cache, v_cache, slot_mapping, int(num_q_heads), int(num_kv_heads), float(eps),
+        float(k_scale), float(v_scale),
     )
     return q_out
 
@@ -367,7 +423,7 @@ def decode_workspace(batch: int, num_q_heads: int, head_dim: int, device) -> tor
 def _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq):
     _check_tensor(op, "q", q, ndim=3, dtypes=_FLOAT_DTYPES)
     dev, dt = q.device, q.dtype
-    _check_kv_cache(op, k_cache, v_cache, dt, dev)
+    _check_kv_cache(op, k_cache, v_cache, dt, dev, "q")
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
@@ -388,14 +444,20 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA, split-KV on CUDA).
 
     q             [B, Hq, D]
-    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise
+    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise: q's dtype, or both
+                  float8_e4m3fn (an fp8 cache, read as e4m3 * k_scale / * v_scale in fp32)
     block_tables  [B, max_blocks] int32
     seq_lens      [B] int32, each in [1, max_blocks * block_size]
     workspace     [B, Hq, MAX_DECODE_SPLITS, D + 1] fp32 (``decode_workspace``), or None to allocate
+    k_scale, v_scale  finite floats > 0, the ones qk_norm_rope wrote with; 1.0 for a cache in
+                  q's dtype
     returns out   [B, Hq, D]
     """
     op = "paged_attention_decode"
@@ -406,6 +468,7 @@ def paged_attention_decode(
         _check_contiguous(op, "q", q)
         _check_tensor(op, "seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
         _check_shape(op, "seq_lens", seq_lens, (b,))
+    _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if checked:
@@ -418,11 +481,12 @@ def paged_attention_decode(
         _check_tensor(op, "workspace", workspace, ndim=4, dtype=torch.float32, device=q.device)
         _check_contiguous(op, "workspace", workspace)
         _check_shape(op, "workspace", workspace, (b, q.shape[1], MAX_DECODE_SPLITS, q.shape[2] + 1))
-    kernel_ok = q.dtype in _KERNEL_DTYPES and q.shape[2] == 128
+    kernel_ok = _kv_kernel_ok(q.dtype, q.shape[2], k_cache.dtype, q.device)
     if checked and _runs_kernel(q, kernel_ok):
         index_checks.paged_attention_decode(op, block_tables, seq_lens, k_cache.shape[0],
                                             k_cache.shape[1])
-    _run(op, kernel_ok, out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), workspace)
+    _run(op, kernel_ok, out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), workspace,
+         float(k_scale), float(v_scale))
     return out
 
 
@@ -436,15 +500,20 @@ def paged_attention_prefill(
     max_seqlen_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Varlen causal attention over paged keys, queries aligned to the end of each key sequence.
 
     q             [Tq, Hq, D]
-    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise (already hold this chunk's K/V)
+    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise, already holding this chunk's
+                  K/V: q's dtype, or both float8_e4m3fn (an fp8 cache, as in paged_attention_decode)
     cu_seqlens_q  [B + 1] int32, cu_seqlens_q[0] = 0, cu_seqlens_q[B] = Tq
     seq_lens_k    [B] int32, seq_lens_k[b] >= cu_seqlens_q[b+1] - cu_seqlens_q[b]
     block_tables  [B, max_blocks] int32
     max_seqlen_q  the largest query count of any sequence (sizes the grid without a host sync)
+    k_scale, v_scale  as in paged_attention_decode
     returns out   [Tq, Hq, D]
     """
     op = "paged_attention_prefill"
@@ -464,19 +533,20 @@ def paged_attention_prefill(
         _check_shape(op, "seq_lens_k", seq_lens_k, (nseq,))
     if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         _fail(op, f"max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
+    _check_kv_scales(op, k_cache.dtype, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if checked:
         _check_tensor(op, "out", out, ndim=3, dtype=q.dtype, device=q.device)
         _check_contiguous(op, "out", out)
         _check_shape(op, "out", out, q.shape)
-    kernel_ok = q.dtype in _KERNEL_DTYPES and q.shape[2] == 128
+    kernel_ok = _kv_kernel_ok(q.dtype, q.shape[2], k_cache.dtype, q.device)
     if checked and _runs_kernel(q, kernel_ok):
         index_checks.paged_attention_prefill(op, cu_seqlens_q, seq_lens_k, block_tables,
                                              q.shape[0], max_seqlen_q, k_cache.shape[0],
                                              k_cache.shape[1])
-    _run(op, kernel_ok, out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
-                                 block_tables, int(max_seqlen_q), float(scale))
+    _run(op, kernel_ok, out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
+         int(max_seqlen_q), float(scale), float(k_scale), float(v_scale))
     return out
 
 
@@ -545,8 +615,7 @@ FP8_GROUP = ref.FP8_GROUP
 
 def _fp8_kernel_ok(t: torch.Tensor) -> bool:
     """The FP8 kernels run bf16 activations on Hopper (sm_90); elsewhere the reference runs."""
-    return (t.dtype == torch.bfloat16 and t.is_cuda
-            and torch.cuda.get_device_capability(t.device) == (9, 0))
+    return t.dtype == torch.bfloat16 and t.is_cuda and _capability(t.device.index) == (9, 0)
 
 
 def fp8_scales_buffer(t: int, k: int, device) -> torch.Tensor:
@@ -811,17 +880,24 @@ def _ref_fused_add_rms_norm(x, residual, weight, eps):
     x.copy_(normed)
 
 
-def _ref_qk_norm_rope(q_out, qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, hq, hkv, eps):
-    q_out.copy_(ref.qk_norm_rope(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, hq, hkv, eps))
+# (the dispatcher passes a Python impl only the arguments its caller gave: the schema's defaults
+# are repeated here)
+def _ref_qk_norm_rope(q_out, qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, hq, hkv, eps,
+                      k_scale=1.0, v_scale=1.0):
+    q_out.copy_(ref.qk_norm_rope(qkv, qw, kw, cos_sin, positions, k_cache, v_cache, slots, hq, hkv,
+                                 eps, k_scale, v_scale))
 
 
-def _ref_paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, workspace):
-    out.copy_(ref.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale))
+def _ref_paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, workspace,
+                                k_scale=1.0, v_scale=1.0):
+    out.copy_(ref.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                         k_scale, v_scale))
 
 
-def _ref_paged_attention_prefill(out, q, k_cache, v_cache, cu_q, lens_k, block_tables, max_q, scale):
+def _ref_paged_attention_prefill(out, q, k_cache, v_cache, cu_q, lens_k, block_tables, max_q, scale,
+                                 k_scale=1.0, v_scale=1.0):
     out.copy_(ref.paged_attention_prefill(q, k_cache, v_cache, cu_q, lens_k, block_tables, scale,
-                                          max_seqlen_q=max_q))
+                                          max_seqlen_q=max_q, k_scale=k_scale, v_scale=v_scale))
 
 
 def _ref_linear(out, x, weight):

@@ -93,6 +93,36 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return x * torch.rsqrt(var + eps) * weight.float()
 
 
+# ---- KV cache: the model dtype, or FP8 (e4m3) with one fp32 scale per layer for K and for V ----
+#
+# An fp8 cache (float8_e4m3fn) stores round_to_e4m3(clamp(x * (1 / scale), -448, 448)), reads back
+# e4m3 * scale: half the bytes of a bf16 cache, so twice the tokens in the same memory and half
+# the bytes attention streams. The scales are the checkpoint's per-layer k_scale / v_scale (1.0
+# when it has none). A cache in the model dtype holds the values themselves; its scales are 1.0
+# (ops.py refuses others), so both helpers leave it alone.
+
+KV_CACHE_FP8 = torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x [...] (fp32) -> the values a cache of ``dtype`` stores. For an fp8 cache: x * (1 / scale)
+    in fp32, the reciprocal rounded to fp32 once (a multiply per element, as the kernel does, not
+    a division), saturated to +-448 (FP8_MAX, below), rounded to nearest even; NaN stays NaN. The
+    clamp is explicit because e4m3 has no inf: a plain cast past 448 gives NaN in older torch and
+    in CUDA's non-satfinite conversion. Other dtypes: x rounded to the dtype."""
+    if dtype != KV_CACHE_FP8:
+        return x.to(dtype)
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+    return (x.float() * inv.to(x.device)).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache values [...] -> fp32: e4m3 * scale for an fp8 cache, the values themselves else."""
+    if cache.dtype != KV_CACHE_FP8:
+        return cache.float()
+    return cache.float() * scale
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     q_norm_weight: torch.Tensor,
@@ -105,6 +135,8 @@ def qk_norm_rope(
     num_q_heads: int,
     num_kv_heads: int,
     eps: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Qwen3's q_norm / k_norm + neox RoPE on the packed QKV, K/V written into the paged cache.
 
@@ -112,9 +144,11 @@ def qk_norm_rope(
     q_norm_weight  [D], k_norm_weight [D]
     cos_sin_cache  [max_position, D] fp32  (see ``rope_cos_sin_cache``)
     positions      [T] int64
-    k_cache        [num_blocks, block_size, Hkv, D]  (mutated)
-    v_cache        [num_blocks, block_size, Hkv, D]  (mutated)
+    k_cache        [num_blocks, block_size, Hkv, D]  (mutated) qkv's dtype or float8_e4m3fn
+    v_cache        [num_blocks, block_size, Hkv, D]  (mutated) k_cache's dtype
     slot_mapping   [T] int32: flat slot = block * block_size + offset; -1 skips the token
+    k_scale, v_scale  fp8 cache: K (normed, rotated, fp32) and V (fp32) are stored by
+                      ``quantize_kv``; 1.0 for a cache in qkv's dtype
     returns q      [T, Hq, D]
     """
     index_checks.qk_norm_rope("qk_norm_rope", positions, slot_mapping, cos_sin_cache.shape[0],
@@ -131,8 +165,8 @@ def qk_norm_rope(
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, num_kv_heads, d)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, d)[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, d)[slots] = quantize_kv(k[keep], k_scale, k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, d)[slots] = quantize_kv(v[keep], v_scale, v_cache.dtype)
     return q.to(qkv.dtype)
 
 
@@ -174,13 +208,17 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new query token per sequence over its whole paged context (GQA).
 
     q             [B, Hq, D]
-    k_cache       [num_blocks, block_size, Hkv, D], v_cache likewise
+    k_cache       [num_blocks, block_size, Hkv, D] q's dtype or float8_e4m3fn, v_cache likewise
     block_tables  [B, max_blocks] int32
     seq_lens      [B] int32 (>= 1): keys 0 .. seq_lens[b]-1, the new token's included
+    k_scale, v_scale  an fp8 cache's K / V read as ``dequantize_kv`` (fp32), then the same fp32
+                      attention; 1.0 for a cache in q's dtype
     returns       [B, Hq, D]
     """
     index_checks.paged_attention_decode("paged_attention_decode", block_tables, seq_lens,
@@ -188,8 +226,8 @@ def paged_attention_decode(
     out = torch.empty_like(q)
     lens = seq_lens.tolist()
     for b, n in enumerate(lens):
-        k = _gather_kv(k_cache, block_tables[b], n)
-        v = _gather_kv(v_cache, block_tables[b], n)
+        k = dequantize_kv(_gather_kv(k_cache, block_tables[b], n), k_scale)
+        v = dequantize_kv(_gather_kv(v_cache, block_tables[b], n), v_scale)
         out[b] = _attention_one(q[b : b + 1], k, v, scale)[0].to(q.dtype)
     return out
 
@@ -203,6 +241,8 @@ def paged_attention_prefill(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Varlen causal attention of new query tokens over paged keys (cached prefix + chunk).
 
@@ -211,6 +251,7 @@ def paged_attention_prefill(
     seq_lens_k    [B] int32     keys per sequence (>= its query count): prefix + this chunk
     block_tables  [B, max_blocks] int32
     max_seqlen_q  the op's grid size (not used here), checked to cover every query count if given
+    k_cache, v_cache, k_scale, v_scale  as in ``paged_attention_decode`` (fp8: dequantized)
     returns       [Tq, Hq, D]
     """
     index_checks.paged_attention_prefill(
@@ -223,8 +264,8 @@ def paged_attention_prefill(
         s, e = cu[b], cu[b + 1]
         if e == s:
             continue
-        k = _gather_kv(k_cache, block_tables[b], n)
-        v = _gather_kv(v_cache, block_tables[b], n)
+        k = dequantize_kv(_gather_kv(k_cache, block_tables[b], n), k_scale)
+        v = dequantize_kv(_gather_kv(v_cache, block_tables[b], n), v_scale)
         out[s:e] = _attention_one(q[s:e], k, v, scale).to(q.dtype)
     return out
 

@@ -120,6 +120,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps with prompt tokens up to this size replay piecewise CUDA graphs "
                         "(a multiple of 32; 0 = eager)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    # (config.KV_CACHE_DTYPES spelled out, as --scheduling-policy's below)
+    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="KV cache element type: the model's dtype (auto), or float8 e4m3 with the "
+                        "checkpoint's per-layer k_scale / v_scale, else 1.0 (fp8: twice the "
+                        "blocks of bf16 in the same memory)")
     # (config.SCHEDULING_POLICIES spelled out: importing config loads torch, and --help stays light)
     e.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
                    help="admission order: arrival, or the most max_tokens first (offline batches)")
@@ -164,6 +169,7 @@ def engine_kwargs(args) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=args.tensor_parallel_size,
         tp_all_reduce=args.tp_all_reduce,

@@ -16,6 +16,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the paged attention kernels support
 SCHEDULING_POLICIES = ("fcfs", "longest_first")
 PIECEWISE_BUCKET = 32  # token-count step of the piecewise graphs (max_piecewise_graph_tokens)
 TP_ALL_REDUCE_CHOICES = ("auto", "custom", "nccl")
+KV_CACHE_DTYPES = ("auto", "fp8")  # Config.kv_cache_dtype
 
 
 @dataclass(slots=True)
@@ -35,6 +36,14 @@ class Config:
     # KV budget on CPU (capped at what max_num_seqs full sequences use)
     cpu_kvcache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # the paged KV cache's element type: "auto" (the model's dtype) or "fp8" (float8_e4m3fn: one
+    # byte per value, so the same memory holds twice the blocks of a bf16 cache). Each layer
+    # stores K / V divided by its own fp32 k_scale / v_scale and multiplies them back on read:
+    # the checkpoint's model.layers.{i}.self_attn.k_scale / .v_scale where it has them (the
+    # format vLLM / llm-compressor FP8-KV checkpoints use; qwen3_model/loader.py), else 1.0.
+    # Values beyond +-448 * scale (e4m3's largest) saturate there. With "auto" the scales are
+    # still checked on load but not applied (a cache in the model dtype stores values as they are)
+    kv_cache_dtype: str = "auto"
     dtype: str | torch.dtype = "auto"  # auto: the checkpoint's bf16/fp16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available, else cpu
     load_format: str = "auto"  # "dummy": random weights, config.json only (benchmarks)
@@ -110,6 +119,8 @@ class Config:
             bad("tp_step_timeout", "a number of seconds > 0")
         if self.tp_all_reduce not in TP_ALL_REDUCE_CHOICES:
             bad("tp_all_reduce", f"one of {TP_ALL_REDUCE_CHOICES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", "'auto' or 'dummy'")
         if self.device == "auto":
@@ -143,6 +154,11 @@ class Config:
             self.eos_token_ids = self._find_eos_ids()
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
 
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype (kv_cache_dtype resolved)."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
     def kv_tokens_counted(self) -> int:
         """The KV cache the memory check counts: num_kvcache_blocks if given, else one
         max_model_len sequence (the least that serves any request)."""
@@ -165,7 +181,8 @@ class Config:
         budget = device_budget(device, self.gpu_memory_utilization, free=free)
         if budget is None:
             return
-        need = model_need(fields, self.torch_dtype, tp, self.kv_tokens_counted())
+        need = model_need(fields, self.torch_dtype, tp, self.kv_tokens_counted(),
+                          kv_dtype=self.kv_cache_torch_dtype)
         # CPU ranks share the machine's RAM
         sharing = tp if device.type == "cpu" else 1
         if need.total * sharing <= budget.usable:

@@ -13,8 +13,9 @@ from qwen3_model.sampling_params import SamplingParams  # noqa: F401
 class LLM(LLMEngine):
     """``LLM(model, tensor_parallel_size=1, dtype="auto", max_model_len=4096,
     gpu_memory_utilization=0.9, enforce_eager=False, kvcache_block_size=256,
-    max_num_batched_tokens=16384, max_num_seqs=512, enable_prefix_caching=True, ...)``;
-    every setting is a field of ``qwen3_model.config.Config``.
+    max_num_batched_tokens=16384, max_num_seqs=512, enable_prefix_caching=True,
+    kv_cache_dtype="auto", ...)``; every setting is a field of ``qwen3_model.config.Config``
+    (``kv_cache_dtype="fp8"``: an e4m3 KV cache, its scales as Config.kv_cache_dtype says).
 
     With ``tensor_parallel_size=N > 1`` the engine spawns N - 1 worker processes (one per GPU,
     NCCL; gloo on CPU) and this process is rank 0; ``llm.close()`` (or garbage collection, or

@@ -12,12 +12,18 @@ FP8 checkpoints (Qwen3-*-FP8: config.json's ``quantization_config``, ``quantizat
 each q/k/v/o/gate/up/down projection stores ``weight`` float8_e4m3fn [N, K] and
 ``weight_scale_inv`` fp32 [ceil(N/128), ceil(K/128)] (one per 128 x 128 block; it multiplies);
 e4m3 tensors load only into e4m3 parameters, and every scale must be finite and > 0.
+
+FP8 KV cache scales (vLLM / llm-compressor FP8-KV checkpoints; optional): ``model.layers.{i}.
+self_attn.k_scale`` and ``.v_scale``, one fp32 value each, go into layer i's Attention
+(``k_scale`` / ``v_scale``) when the engine runs an fp8 cache (``apply_kv_scales``); each must be
+one finite value > 0 either way. Every tensor-parallel rank reads the same value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -29,6 +35,8 @@ SUPPORTED_MODEL_TYPES = ("qwen3",)
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some exporters write that carry nothing the model needs.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# a layer's fp8 KV cache scales: not parameters (Python floats the ops take), so loaded apart
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")
 
 
 class CheckpointError(ValueError):
@@ -313,7 +321,8 @@ def _read_tensor(f, name: str, file: Path, param: nn.Parameter) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = True) -> None:
+def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = True,
+               apply_kv_scales: bool = False) -> None:
     """Fill every parameter of ``model`` from the safetensors in ``path`` (this rank's slices).
 
     Errors (CheckpointError, naming the file and the tensor): a file that is not safetensors or is
@@ -322,6 +331,10 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
     twice, or holding NaN / Inf or a block scale <= 0 (``check_finite``); a parameter the
     checkpoint does not provide (a projection's ``weight_scale_inv`` included).
     With tied embeddings a stored ``lm_head.weight`` is skipped: the head reads the embedding.
+
+    A layer's optional ``self_attn.k_scale`` / ``v_scale`` must be one finite value > 0 (a
+    CheckpointError naming it otherwise); ``apply_kv_scales`` (an fp8 KV cache) puts them in the
+    layer's Attention, else they are checked only: the cache holds values as they are.
 
     The NaN / Inf check reduces each parameter on its device (one flag) and reads all the
     results at once at the end: one synchronisation per load.
@@ -343,6 +356,9 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
                     raise CheckpointError(f"tensor {name!r} appears twice: in {seen[name]} and "
                                           f"{file.name}")
                 seen[name] = file.name
+                if name.endswith(KV_SCALE_SUFFIXES):
+                    _load_kv_scale(model, f, name, file, apply_kv_scales)
+                    continue
                 pname, shard_id = _target(name, packed)
                 param = params.get(pname)
                 if param is None:
@@ -391,6 +407,34 @@ def load_model(model: nn.Module, path: str | os.PathLike, check_finite: bool = T
                               f"{shown}")
     if check_finite:
         _check_finite(params, sources)
+
+
+def _load_kv_scale(model: nn.Module, f, name: str, file: Path, apply: bool) -> None:
+    """``model.layers.{i}.self_attn.k_scale`` (or v_scale): one finite value > 0, set on the
+    layer's Attention (``self_attn.attn``) as a Python float where ``apply``."""
+    owner, attr = name.rsplit(".", 1)
+    try:
+        attn = model.get_submodule(owner + ".attn")
+    except AttributeError:  # a layer the config does not have, or no such module
+        attn = None
+    if not hasattr(attn, attr):
+        raise CheckpointError(f"unexpected tensor {name!r} in {file.name}: the model has no "
+                              f"attention layer {owner!r} (is this a Qwen3 dense checkpoint "
+                              "matching config.json?)")
+    try:
+        t = f.get_tensor(name)
+    except Exception as e:  # as _read_tensor
+        raise CheckpointError(f"tensor {name!r} in {file}: cannot be read: {e}") from e
+    where = f"tensor {name!r} in {file}"
+    expected = "one fp32 value > 0 (the layer's fp8 KV cache scale)"
+    if t.dtype not in LOADABLE_DTYPES or t.numel() != 1:
+        raise CheckpointError(f"{where}: dtype {_dtype_name(t.dtype)}, shape {tuple(t.shape)}; "
+                              f"expected {expected}")
+    value = t.float().item()  # the ops take it as fp32
+    if not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{where}: {value}, expected {expected}")
+    if apply:
+        setattr(attn, attr, value)
 
 
 def _check_finite(params: dict[str, nn.Parameter],

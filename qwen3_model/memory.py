@@ -4,6 +4,7 @@ num_kvcache_blocks=10**9 fails at once with "needs ~X GiB, the GPU has Y" instea
 allocator after minutes.
 
     need = model_need(fields, dtype, tp, kv_tokens)   # weights + rope table + KV cache, one rank
+    need = model_need(fields, dtype, tp, kv_tokens, kv_dtype=torch.float8_e4m3fn)  # fp8 KV
     check_fits(need, device_budget(device, utilization), where=config_file, ...)
 
 The estimate counts what the model's parameters and buffers hold (qwen3_model/models/qwen3.py);
@@ -29,6 +30,7 @@ class ModelNeed:
     kv: int  # the KV cache counted (kv_tokens tokens)
     kv_tokens: int
     quantization: str | None = None  # "fp8": the projections' weights are e4m3
+    kv_dtype: torch.dtype | None = None  # the KV cache's element type (None: the model's)
 
     @property
     def total(self) -> int:
@@ -40,10 +42,12 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     return num_kv_heads // tp if num_kv_heads >= tp else 1
 
 
-def model_need(fields: dict, dtype: torch.dtype, tp: int, kv_tokens: int) -> ModelNeed:
+def model_need(fields: dict, dtype: torch.dtype, tp: int, kv_tokens: int,
+               kv_dtype: torch.dtype | None = None) -> ModelNeed:
     """``fields``: the Qwen3 config values (hidden_size, ..., head_dim resolved), checked >= 1,
     and its quantization_config if any (FP8: 1 byte per projection weight + one fp32 scale per
-    128 x 128 block). Python ints throughout: no overflow whatever the values."""
+    128 x 128 block); ``kv_dtype``: the KV cache's (None: ``dtype``). Python ints throughout: no
+    overflow whatever the values."""
     h, inter = fields["hidden_size"], fields["intermediate_size"]
     layers, vocab = fields["num_hidden_layers"], fields["vocab_size"]
     heads, kv, hd = fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]
@@ -69,8 +73,9 @@ def model_need(fields: dict, dtype: torch.dtype, tp: int, kv_tokens: int) -> Mod
     embed = vocab_local * h * (1 if fields.get("tie_word_embeddings") else 2)
     weights = layers * (proj_bytes + others * itemsize) + (embed + h) * itemsize
     rope = fields["max_position_embeddings"] * hd * 4
-    kv_bytes = 2 * layers * kv_local * hd * itemsize * kv_tokens
-    return ModelNeed(weights, rope, kv_bytes, kv_tokens, quantization)
+    kv_itemsize = torch.empty((), dtype=kv_dtype or dtype).element_size()  # fp8: 1
+    kv_bytes = 2 * layers * kv_local * hd * kv_itemsize * kv_tokens
+    return ModelNeed(weights, rope, kv_bytes, kv_tokens, quantization, kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -122,5 +127,7 @@ def describe(need: ModelNeed, dtype: torch.dtype, tp: int) -> str:
     ranks = f" per rank of {tp}" if tp > 1 else ""
     if need.quantization:
         dt += f" with {need.quantization} projections"
+    kv_dt = ("" if need.kv_dtype in (None, dtype)
+             else f" at {str(need.kv_dtype).removeprefix('torch.')}")
     return (f"~{size(need.total)}{ranks} (weights {size(need.weights)} at {dt}, rope table "
-            f"{size(need.rope)}, KV cache {size(need.kv)} for {need.kv_tokens:,} tokens)")
+            f"{size(need.rope)}, KV cache {size(need.kv)} for {need.kv_tokens:,} tokens{kv_dt})")

@@ -119,12 +119,21 @@ def test_workload_run_reports_its_scheduling_setting(tmp_path, capsys):
     assert row["settings"]["scheduling_policy"] == "longest_first"
     assert row["settings"]["max_num_batched_tokens"] == 64
     assert row["settings"]["overlap_steps"] is True and row["settings"]["tp_all_reduce"] == "auto"
+    assert row["settings"]["kv_cache_dtype"] == "auto"
     assert "--max-num-batched-tokens 64" in row["command"]
     bench.write_engine_row(dict(row, output_tok_s=1.0), tmp_path)  # same setting: replaced
     bench.write_engine_row(dict(row, workload="other"), tmp_path)  # another: kept beside it
+    fp8 = dict(row["settings"], kv_cache_dtype="fp8")
+    bench.write_engine_row(dict(row, settings=fp8, output_tok_s=2.0), tmp_path)  # kept beside
     rows = json.loads((tmp_path / "bench_engine.json").read_text())["rows"]
     assert [(r["workload"], r["output_tok_s"]) for r in rows] == [
-        ("nano-vllm: 3 requests", 1.0), ("other", row["output_tok_s"])]
+        ("nano-vllm: 3 requests", 1.0), ("other", row["output_tok_s"]),
+        ("nano-vllm: 3 requests", 2.0)]
+    # a row from before --kv-cache-dtype (no such setting) is the "auto" one: replaced
+    old = {k: v for k, v in row["settings"].items() if k != "kv_cache_dtype"}
+    bench.write_engine_row(dict(row, settings=old, output_tok_s=3.0), tmp_path)
+    rows = json.loads((tmp_path / "bench_engine.json").read_text())["rows"]
+    assert sorted(r["output_tok_s"] for r in rows) == [2.0, 3.0, row["output_tok_s"]]
 
 
 def test_engine_settings_flags():
@@ -141,7 +150,9 @@ def test_engine_settings_flags():
     with pytest.raises(RuntimeError, match="stop"):
         bench.main(["--size", "demo", "--batch1", "--no-gpu-clocks"])
     assert seen["overlap_steps"] is True and seen["tp_all_reduce"] == "auto"
+    assert seen["kv_cache_dtype"] == "auto"
     with pytest.raises(RuntimeError, match="stop"):
         bench.main(["--size", "demo", "--batch1", "--no-gpu-clocks", "--no-overlap-steps",
-                    "--tp-all-reduce", "nccl"])
+                    "--tp-all-reduce", "nccl", "--kv-cache-dtype", "fp8"])
     assert seen["overlap_steps"] is False and seen["tp_all_reduce"] == "nccl"
+    assert seen["kv_cache_dtype"] == "fp8"

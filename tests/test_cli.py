@@ -42,7 +42,7 @@ def test_help_lists_every_option():
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enforce-eager", "--max-piecewise-graph-tokens", "--no-prefix-caching",
                  "--scheduling-policy", "--tensor-parallel-size", "--tp-all-reduce",
-                 "--no-overlap-steps"]:
+                 "--no-overlap-steps", "--kv-cache-dtype"]:
         assert flag in text, flag
 
 
@@ -118,6 +118,14 @@ def test_tp_all_reduce_choices_are_the_configs():
 
     action = next(a for a in build_parser()._actions if "--tp-all-reduce" in a.option_strings)
     assert tuple(action.choices) == TP_ALL_REDUCE_CHOICES
+
+
+def test_kv_cache_dtype_choices_are_the_configs():
+    from qwen3_model.__main__ import build_parser
+    from qwen3_model.config import KV_CACHE_DTYPES
+
+    action = next(a for a in build_parser()._actions if "--kv-cache-dtype" in a.option_strings)
+    assert tuple(action.choices) == KV_CACHE_DTYPES and action.default == "auto"
 
 
 # ---- errors and Ctrl-C: one line on stderr, a non-zero exit, no traceback without --debug ------

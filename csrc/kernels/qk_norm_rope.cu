@@ -43,13 +43,18 @@
 // took 103.7-105.4 us without PDL.
 // Every variant does the same fp32 math per element and rounds once (norm_rope / the item loop).
 //
+// KV cache in e4m3 (KV = uint8_t, an fp8 cache; launchers.h KvCache): K is quantized from its fp32
+// value after the rotation, V from qkv's value, each as x * (1 / scale) rounded to the nearest e4m3
+// and saturated (reference.quantize_kv; the reciprocal rounded to fp32 once, on the host), 8 bytes
+// a lane where the 16-bit cache takes 16; q is unchanged.
+//
 // Not checked on the device (the launcher has no bounds to check against, and a check would need a
 // host sync): positions must be < max_position, and slots < num_blocks * block_size.
 // The launcher refuses (cudaErrorMisalignedAddress) pointers off a 16-byte boundary, and
 // num_tokens * (Hq + 2*Hkv) >= 2^31 (cudaErrorInvalidValue).
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/e4m3.cuh"
 #include "qwen3_kernels/launch.cuh"
-
 namespace qwen3_kernels {
 namespace {
 
@@ -94,7 +99,43 @@ __device__ __forceinline__ void load_rope_operands(RopeOperands<T>& op, const T*
   load_f8(cos_sin_row + kHalf + lane * kVec, op.s);
 }
 
-template <typename T, int ITEMS, bool HOIST>
+// One lane's 8 elements of a q, K or V row, from fp32: rounded to the 16-bit dtype, or quantized
+// to e4m3 as x * inv_scale (an fp8 cache).
+template <typename T>
+__device__ __forceinline__ void store_kv8(T* dst, const float (&f)[kVec], float /*inv_scale*/) {
+  Vec8<T> o;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) o.v[i] = from_float<T>(f[i]);
+  store_vec8(dst, o);
+}
+__device__ __forceinline__ void store_kv8(uint8_t* dst, const float (&f)[kVec], float inv_scale) {
+  uint32_t q[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i)
+    q[i / 2] |= fp8::e4m3x2_scaled(f[2 * i], f[2 * i + 1], inv_scale) << (16 * (i % 2));
+  *reinterpret_cast<uint2*>(dst) = make_uint2(q[0], q[1]);
+}
+// A lane's V elements (qkv's 16-bit values): copied as they are into a 16-bit cache, quantized
+// into an fp8 one.
+template <typename T>
+__device__ __forceinline__ void store_v(T* dst, const Vec8<T>& lo, const Vec8<T>& hi, float) {
+  store_vec8(dst, lo);
+  store_vec8(dst + kHalf, hi);
+}
+template <typename T>
+__device__ __forceinline__ void store_v(uint8_t* dst, const Vec8<T>& lo, const Vec8<T>& hi,
+                                        float inv_scale) {
+  float f1[kVec], f2[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    f1[i] = to_float(lo.v[i]);
+    f2[i] = to_float(hi.v[i]);
+  }
+  store_kv8(dst, f1, inv_scale);
+  store_kv8(dst + kHalf, f2, inv_scale);
+}
+
+template <typename T, typename KV, int ITEMS, bool HOIST>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
     const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
@@ -103,12 +144,13 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     const T* __restrict__ k_norm_weight,       // [128]
     const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
     const int64_t* __restrict__ positions,     // [num_tokens]
-    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
-    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
+    KV* __restrict__ k_cache,                  // [num_blocks * block_size, Hkv, 128] (flat slots)
+    KV* __restrict__ v_cache,                  // [num_blocks * block_size, Hkv, 128]
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
     int64_t num_slots,                         // a slot outside [0, num_slots) is not written
     uint32_t num_items,                        // num_tokens * (Hq + 2*Hkv), < 2^31
-    int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
+    int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps, float inv_k_scale,
+    float inv_v_scale) {
   // Launched with PDL on sm_90 (launch_item): scheduled while the QKV GEMM drains, and nothing is
   // read before it has finished. No-ops for a plain launch.
   pdl_wait();
@@ -186,32 +228,31 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
         load_rope_operands(rope[r], is_q ? q_norm_weight : k_norm_weight,
                            cos_sin_cache + pos[r] * kHeadDim, lane);
       const RopeOperands<T>& op = rope[r];
-
-      Vec8<T> o1, o2;
+      float o1[kVec], o2[kVec];
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         // Same association as the reference: (x * inv_rms) * w, then rotate in fp32.
         const float a = x1[i] * inv_rms * to_float(op.w1.v[i]);
         const float b = x2[i] * inv_rms * to_float(op.w2.v[i]);
-        o1.v[i] = from_float<T>(a * op.c[i] - b * op.s[i]);
-        o2.v[i] = from_float<T>(b * op.c[i] + a * op.s[i]);
+        o1[i] = a * op.c[i] - b * op.s[i];
+        o2[i] = b * op.c[i] + a * op.s[i];
       }
-      T* dst;
       if (is_q) {
-        dst = q_out + (token[r] * num_q_heads + head[r]) * kHeadDim;
+        T* dst = q_out + (token[r] * num_q_heads + head[r]) * kHeadDim;
+        store_kv8(dst + lane * kVec, o1, 1.f);
+        store_kv8(dst + kHalf + lane * kVec, o2, 1.f);
       } else {
         if (slot[r] < 0) continue;  // padded token: q is still produced, the cache is left alone
-        dst = k_cache +
-              (static_cast<int64_t>(slot[r]) * num_kv_heads + (head[r] - num_q_heads)) * kHeadDim;
+        KV* dst = k_cache + (static_cast<int64_t>(slot[r]) * num_kv_heads +
+                             (head[r] - num_q_heads)) * kHeadDim;
+        store_kv8(dst + lane * kVec, o1, inv_k_scale);
+        store_kv8(dst + kHalf + lane * kVec, o2, inv_k_scale);
       }
-      store_vec8(dst + lane * kVec, o1);
-      store_vec8(dst + kHalf + lane * kVec, o2);
     } else {
       if (slot[r] < 0) continue;
-      T* dst = v_cache + (static_cast<int64_t>(slot[r]) * num_kv_heads +
-                          (head[r] - num_q_heads - num_kv_heads)) * kHeadDim;
-      store_vec8(dst + lane * kVec, lo[r]);
-      store_vec8(dst + kHalf + lane * kVec, hi[r]);
+      KV* dst = v_cache + (static_cast<int64_t>(slot[r]) * num_kv_heads +
+                           (head[r] - num_q_heads - num_kv_heads)) * kHeadDim;
+      store_v(dst + lane * kVec, lo[r], hi[r], inv_v_scale);
     }
   }
 }
@@ -222,13 +263,13 @@ template <typename T>
 __device__ __forceinline__ void norm_rope(const Vec8<T>& lo, const Vec8<T>& hi, float inv_rms,
                                           const Vec8<T>& w1, const Vec8<T>& w2,
                                           const float (&c)[kVec], const float (&s)[kVec],
-                                          Vec8<T>& o1, Vec8<T>& o2) {
+                                          float (&o1)[kVec], float (&o2)[kVec]) {
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     const float a = to_float(lo.v[i]) * inv_rms * to_float(w1.v[i]);
     const float b = to_float(hi.v[i]) * inv_rms * to_float(w2.v[i]);
-    o1.v[i] = from_float<T>(a * c[i] - b * s[i]);
-    o2.v[i] = from_float<T>(b * c[i] + a * s[i]);
+    o1[i] = a * c[i] - b * s[i];
+    o2[i] = b * c[i] + a * s[i];
   }
 }
 
@@ -257,7 +298,7 @@ constexpr int kHeadsPerThread = 4;  // 128 B of qkv in flight per thread at 64 r
 
 // Held to 64 registers (bf16 needs 64 anyway; fp16 would take 78 and lose a sixth of the CTAs per
 // SM for a few bytes of spill). kPdl: launched with PDL (sm_90), waiting before the first read.
-template <typename T, bool kPdl>
+template <typename T, typename KV, bool kPdl>
 __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel(
     T* __restrict__ q_out,                     // [num_tokens, Hq, 128] contiguous
     const T* __restrict__ qkv,                 // [num_tokens, (Hq + 2*Hkv) * 128], row stride
@@ -266,11 +307,12 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
     const T* __restrict__ k_norm_weight,       // [128]
     const float* __restrict__ cos_sin_cache,   // [max_position, 128]: cos | sin halves
     const int64_t* __restrict__ positions,     // [num_tokens]
-    T* __restrict__ k_cache,                   // [num_blocks * block_size, Hkv, 128] (flat slots)
-    T* __restrict__ v_cache,                   // [num_blocks * block_size, Hkv, 128]
+    KV* __restrict__ k_cache,                  // [num_blocks * block_size, Hkv, 128] (flat slots)
+    KV* __restrict__ v_cache,                  // [num_blocks * block_size, Hkv, 128]
     const int32_t* __restrict__ slot_mapping,  // [num_tokens], -1 = do not write K/V
     int64_t num_slots,                         // a slot outside [0, num_slots) is not written
-    int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps) {
+    int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps, float inv_k_scale,
+    float inv_v_scale) {
   // The token's cos/sin row and both weights, staged once per CTA: in registers they would cost
   // 32 per thread (spills or half the occupancy); a shared-memory read per head is ~30 cycles, off
   // the memory critical path.
@@ -325,8 +367,8 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
   // offsets from here on).
   const int64_t kv_offset = static_cast<int64_t>(slot < 0 ? 0 : slot) * num_kv_heads * kHeadDim;
   T* q_row = q_out + token * num_q_heads * kHeadDim + lane * kVec;
-  T* k_row = k_cache + kv_offset + lane * kVec;
-  T* v_row = v_cache + kv_offset + lane * kVec;
+  KV* k_row = k_cache + kv_offset + lane * kVec;
+  KV* v_row = v_cache + kv_offset + lane * kVec;
 
 #pragma unroll
   for (int r = 0; r < kHeadsPerThread; ++r) {
@@ -342,17 +384,21 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
       load_f8(cs_s + lane * kVec, c);
       load_f8(cs_s + kHalf + lane * kVec, s);
       const T* w = w_s[is_q ? 0 : 1];
-      Vec8<T> o1, o2;
+      float o1[kVec], o2[kVec];
       norm_rope(lo[r], hi[r], inv_rms, load_vec8(w + lane * kVec),
                 load_vec8(w + kHalf + lane * kVec), c, s, o1, o2);
-      T* dst = is_q ? q_row + h * kHeadDim : k_row + (h - num_q_heads) * kHeadDim;
-      store_vec8(dst, o1);
-      store_vec8(dst + kHalf, o2);
+      if (is_q) {
+        T* dst = q_row + h * kHeadDim;
+        store_kv8(dst, o1, 1.f);
+        store_kv8(dst + kHalf, o2, 1.f);
+      } else {
+        KV* dst = k_row + (h - num_q_heads) * kHeadDim;
+        store_kv8(dst, o1, inv_k_scale);
+        store_kv8(dst + kHalf, o2, inv_k_scale);
+      }
     } else {
       if (slot < 0) continue;
-      T* dst = v_row + (h - num_qk) * kHeadDim;
-      store_vec8(dst, lo[r]);
-      store_vec8(dst + kHalf, hi[r]);
+      store_v(v_row + (h - num_qk) * kHeadDim, lo[r], hi[r], inv_v_scale);
     }
   }
 }
@@ -372,11 +418,12 @@ struct Args {
   int64_t num_slots, num_tokens, qkv_stride;
   int num_q_heads, num_kv_heads;
   float eps;
+  KvCache kv;
   cudaStream_t stream;
   int num_heads() const { return num_q_heads + 2 * num_kv_heads; }
 };
 
-template <typename T, int ITEMS, bool HOIST>
+template <typename T, typename KV, int ITEMS, bool HOIST>
 cudaError_t launch_item(const Args& a) {
   const int64_t num_items = a.num_tokens * a.num_heads();
   if (num_items >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // ~26M tokens at 80 heads
@@ -385,13 +432,14 @@ cudaError_t launch_item(const Args& a) {
   // PDL on sm_90: the decode step's small launches (this one is 1..2 CTAs at batch 1) then hide
   // behind the GEMM before them.
   const bool pdl = current_device_info().cc_major >= 9;
-  return launch_ex(qk_norm_rope_kernel<T, ITEMS, HOIST>, dim3(static_cast<unsigned>(blocks)),
-                   dim3(kThreads), a.stream, pdl, 1, static_cast<T*>(a.q_out),
-                   static_cast<const T*>(a.qkv), static_cast<const T*>(a.q_norm_weight),
-                   static_cast<const T*>(a.k_norm_weight), a.cos_sin_cache, a.positions,
-                   static_cast<T*>(a.k_cache), static_cast<T*>(a.v_cache), a.slot_mapping,
-                   a.num_slots, static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
-                   a.num_kv_heads, a.eps);
+  return launch_ex(qk_norm_rope_kernel<T, KV, ITEMS, HOIST>,
+                   dim3(static_cast<unsigned>(blocks)), dim3(kThreads), a.stream, pdl, 1,
+                   static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
+                   static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
+                   a.cos_sin_cache, a.positions, static_cast<KV*>(a.k_cache),
+                   static_cast<KV*>(a.v_cache), a.slot_mapping, a.num_slots,
+                   static_cast<uint32_t>(num_items), a.qkv_stride, a.num_q_heads,
+                   a.num_kv_heads, a.eps, 1.f / a.kv.k_scale, 1.f / a.kv.v_scale);
 }
 
 // Groups of 8 lanes a token-major CTA needs for at most hpt heads each, in whole warps.
@@ -401,18 +449,18 @@ int token_groups(int num_heads, int hpt) {
 }
 
 // Launched with PDL on sm_90 (token_pdl; the kernel's kPdl makes it wait before its first read).
-template <typename T>
+template <typename T, typename KV>
 cudaError_t launch_token(const Args& a) {
   const int threads = token_groups(a.num_heads(), kHeadsPerThread) * kLanesPerItem;
   if (a.num_tokens > 0x7fffffff || threads > kTokenMaxThreads) return cudaErrorInvalidValue;
   const bool pdl = current_device_info().cc_major >= 9;
-  return launch_ex(qk_norm_rope_token_kernel<T, true>,
+  return launch_ex(qk_norm_rope_token_kernel<T, KV, true>,
                    dim3(static_cast<unsigned>(a.num_tokens)), dim3(threads), a.stream, pdl, 1,
                    static_cast<T*>(a.q_out), static_cast<const T*>(a.qkv),
                    static_cast<const T*>(a.q_norm_weight), static_cast<const T*>(a.k_norm_weight),
-                   a.cos_sin_cache, a.positions, static_cast<T*>(a.k_cache),
-                   static_cast<T*>(a.v_cache), a.slot_mapping, a.num_slots, a.qkv_stride,
-                   a.num_q_heads, a.num_kv_heads, a.eps);
+                   a.cos_sin_cache, a.positions, static_cast<KV*>(a.k_cache),
+                   static_cast<KV*>(a.v_cache), a.slot_mapping, a.num_slots, a.qkv_stride,
+                   a.num_q_heads, a.num_kv_heads, a.eps, 1.f / a.kv.k_scale, 1.f / a.kv.v_scale);
 }
 
 }  // namespace
@@ -423,7 +471,7 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
                          const int32_t* slot_mapping, int64_t num_slots, int64_t num_tokens,
                          int64_t qkv_stride,
                          int num_q_heads, int num_kv_heads, int head_dim, float eps, DType dtype,
-                         cudaStream_t stream) {
+                         KvCache kv, cudaStream_t stream) {
   if (num_tokens <= 1) qkv_stride = 0;  // one row: its stride is never used (and may be anything)
   if (head_dim != kHeadDim || num_q_heads < 1 || num_kv_heads < 1 || num_tokens < 0 ||
       qkv_stride % kVec != 0)
@@ -440,7 +488,7 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
 
   const Args a{q_out,      qkv,         q_norm_weight, k_norm_weight, cos_sin_cache,
                positions,  k_cache,     v_cache,       slot_mapping,  num_slots,
-               num_tokens, qkv_stride,  num_q_heads,   num_kv_heads,  eps, stream};
+               num_tokens, qkv_stride,  num_q_heads,   num_kv_heads,  eps, kv, stream};
   // Large batches are bandwidth bound, small ones latency bound (see the item kernel's ITEMS).
   const bool many = num_tokens * num_heads >= (int64_t{1} << 16);
 
@@ -451,13 +499,19 @@ cudaError_t qk_norm_rope(void* q_out, const void* qkv, const void* q_norm_weight
   // that the item kernel runs.
   const bool token =
       many && token_groups(num_heads, kHeadsPerThread) * kLanesPerItem <= kTokenMaxThreads;
-  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    if (token) return launch_token<T>(a);
+  // The cache's element type: the model dtype, or e4m3 bytes (an fp8 cache).
+  auto launch = [&](auto t_tag, auto kv_tag) {
+    using T = decltype(t_tag);
+    using KV = decltype(kv_tag);
+    if (token) return launch_token<T, KV>(a);
     // Large batches: two items per thread doubles the bytes in flight. Small batches: one item
     // per thread spreads the few items over more SMs, and hoisting the weight / cos-sin loads
     // takes one memory latency off the critical path (latency is what counts there). Two hoisted
     // items would need ~110 registers, halving the threads per SM.
-    return many ? launch_item<T, 2, false>(a) : launch_item<T, 1, true>(a);
+    return many ? launch_item<T, KV, 2, false>(a) : launch_item<T, KV, 1, true>(a);
+  };
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    return kv.fp8 ? launch(T(), uint8_t()) : launch(T(), T());
   });
 }
 

@@ -57,6 +57,9 @@ class CudaGraphs:
             return f"dtype {self.config.torch_dtype} runs the attention reference, not a kernel"
         if self.head_dim != 128:
             return f"head_dim {self.head_dim} runs the attention reference (kernels: 128)"
+        if (self.config.kv_cache_dtype == "fp8"
+                and torch.cuda.get_device_capability(self.device) < (9, 0)):
+            return "an fp8 KV cache runs the attention reference below compute capability 9.0"
         return None
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:

@@ -129,7 +129,9 @@ class ModelRunner(StepInputs, CudaGraphs):
         else:
             from qwen3_model.loader import load_model
 
-            load_model(self.model, config.model)
+            # the checkpoint's per-layer KV scales apply to an fp8 cache only (the ops refuse
+            # scales != 1 with a cache in the model dtype); checked either way
+            load_model(self.model, config.model, apply_kv_scales=config.kv_cache_dtype == "fp8")
         self.model.eval()
         # config.tp_all_reduce: ours unless 'nccl' or it cannot run; a collective: every rank
         if self.world_size > 1:
@@ -190,8 +192,8 @@ class ModelRunner(StepInputs, CudaGraphs):
     # ---- KV cache ------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V."""
-        itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        """Bytes of one block over all layers, K and V (1 byte per value for an fp8 cache)."""
+        itemsize = torch.empty((), dtype=self.config.kv_cache_torch_dtype).element_size()
         return (2 * len(self.attn_modules) * self.block_size * self.num_kv_heads * self.head_dim
                 * itemsize)
 
@@ -203,7 +205,7 @@ class ModelRunner(StepInputs, CudaGraphs):
         self.kv_cache = torch.zeros(
             2, len(self.attn_modules), num_blocks, self.block_size, self.num_kv_heads,
             self.head_dim,
-            dtype=self.config.torch_dtype, device=self.device,
+            dtype=self.config.kv_cache_torch_dtype, device=self.device,
         )
         for i, m in enumerate(self.attn_modules):
             m.k_cache = self.kv_cache[0, i]

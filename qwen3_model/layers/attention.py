@@ -17,7 +17,10 @@ class Attention(nn.Module):
     """Paged GQA attention for this rank's heads.
 
     ``k_cache`` / ``v_cache`` [num_blocks, block_size, num_kv_heads, head_dim] are assigned by the
-    model runner once it has sized the cache; they start empty.
+    model runner once it has sized the cache; they start empty. Their dtype is the model's, or
+    float8_e4m3fn (Config.kv_cache_dtype="fp8"), which stores K / V divided by ``k_scale`` /
+    ``v_scale`` (this layer's, from the checkpoint; 1.0 otherwise and always for a cache in the
+    model's dtype).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float):
@@ -28,6 +31,7 @@ class Attention(nn.Module):
         self.scale = float(scale)
         self.eps = float(eps)
         self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self,
@@ -50,6 +54,7 @@ class Attention(nn.Module):
         q = qwen3_kernels.qk_norm_rope(
             qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, self.k_cache, self.v_cache,
             ctx.slot_mapping, self.num_heads, self.num_kv_heads, self.eps, q_out=ctx.attn_q,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )  # [T, Hq, D]; K / V of every token are now in the cache
         out = torch.empty_like(q) if ctx.attn_out is None else ctx.attn_out
         if ctx.attn_split is not None:
@@ -69,6 +74,7 @@ class Attention(nn.Module):
             qwen3_kernels.paged_attention_prefill(
                 q[:n_pre], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.prefill_seq_lens_k,
                 ctx.prefill_block_tables, ctx.max_seqlen_q, self.scale, out=out[:n_pre],
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         if q.shape[0] > n_pre:
             if ctx.decode_seq_lens is None:
@@ -80,4 +86,5 @@ class Attention(nn.Module):
             qwen3_kernels.paged_attention_decode(
                 q[n_pre:], self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
                 self.scale, out=out[n_pre:], workspace=ctx.decode_workspace,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )

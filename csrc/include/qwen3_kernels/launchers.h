@@ -12,6 +12,16 @@ namespace qwen3_kernels {
 
 enum class DType { kFloat16, kBFloat16 };
 
+// The KV cache's elements: the model dtype (scales 1), or e4m3 with one fp32 scale per layer for K
+// and one for V (reference.quantize_kv): stored = e4m3(x / scale) saturated to +-448, read back as
+// e4m3 * scale. The attention kernels fold k_scale into the softmax scale and v_scale into the
+// output's normalisation, so a cached element is never multiplied by its scale one by one.
+struct KvCache {
+  bool fp8 = false;
+  float k_scale = 1.f;
+  float v_scale = 1.f;
+};
+
 // ---- activation.cu ------------------------------------------------------------------------
 // out[t, i] = silu(x[t, i]) * x[t, I + i]
 cudaError_t silu_and_mul(void* out,            // [T, I], row stride out_stride (elements)
@@ -49,7 +59,7 @@ cudaError_t qk_norm_rope(void* q_out,                 // [T, Hq, D] contiguous
                          int64_t num_slots,           // num_blocks * block_size: a slot outside
                                                       // [0, num_slots) is not written
                          int64_t num_tokens, int64_t qkv_stride, int num_q_heads,
-                         int num_kv_heads, int head_dim, float eps, DType dtype,
+                         int num_kv_heads, int head_dim, float eps, DType dtype, KvCache kv,
                          cudaStream_t stream);
 
 // ---- attention/ -------------------------------------------------------------------------------
@@ -63,7 +73,7 @@ cudaError_t paged_attention_decode(void* out,                    // [B, Hq, D]
                                    float* workspace,             // [B, Hq, max_splits, D + 1]
                                    int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int max_splits, float scale,
-                                   int num_sms, DType dtype, cudaStream_t stream);
+                                   int num_sms, DType dtype, KvCache kv, cudaStream_t stream);
 
 // Prefill: varlen causal, queries aligned to the end of each key sequence.
 cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
@@ -75,7 +85,7 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
                                     const int32_t* block_tables,  // [B, max_blocks]
                                     int batch, int max_seqlen_q, int num_q_heads,
                                     int num_kv_heads, int head_dim, int block_size,
-                                    int max_blocks, float scale, DType dtype,
+                                    int max_blocks, float scale, DType dtype, KvCache kv,
                                     cudaStream_t stream);
 
 // ---- gemm/ ------------------------------------------------------------------------------------

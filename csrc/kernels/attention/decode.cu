@@ -81,6 +81,14 @@
 // (row & 7), so ldmatrix (8 rows x 16 bytes per phase) and the cp.async writes are bank-conflict
 // free.
 //
+// FP8 cache (KV = uint8_t: e4m3 K/V with per-layer scales, launchers.h KvCache): the cp.async
+// pipeline carries the e4m3 bytes (half the bytes of a 16-bit tile: 16-byte chunks of 16 keys'
+// dims), and after its tile lands each lane widens the chunks it copied itself to fp16 into the
+// warp's one converted [K | V] tile (the same swizzled layout the 16-bit path reads), which the
+// ldmatrix / mma code then reads unchanged, in fp16: e4m3 -> fp16 is exact, and Q is turned into
+// fp16 once (exact in fp16's normal range). k_scale is folded into the softmax scale and v_scale
+// into the output's normalisation.
+//
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
 // arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so
 // the partial rows stay 16-byte aligned. Same bytes, private layout.
@@ -88,7 +96,10 @@
 // Not checked on the device (no bound is passed, and a check would need a host sync): block_tables
 // entries must be < num_blocks. seq_lens are clamped to [0, max_blocks * block_size]; a sequence of
 // length 0 gets a zero output.
+#include <type_traits>
+
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/e4m3.cuh"
 #include "qwen3_kernels/mma.cuh"
 #include "qwen3_kernels/launch.cuh"  // pdl_wait, pdl_launch_dependents, LaunchConfig, launch_ex
 
@@ -114,9 +125,19 @@ struct Shape {
   static constexpr int kStages = kStages_;
   static constexpr int kTilesPerWarpChunk = kTilesPerWarpChunk_;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kPipeBytes = kWarps * kStages * kStageElems * 2;
+  // Per warp: kStages stages of [K | V] tiles in the cache's element type, and for an fp8 cache one
+  // more [K | V] tile of fp16 (the converted tile the mma reads).
+  template <typename KV>
+  static constexpr int warp_bytes() {
+    return kStages * kStageElems * static_cast<int>(sizeof(KV)) +
+           (sizeof(KV) == 1 ? kStageElems * 2 : 0);
+  }
   static constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  template <typename KV>
+  static constexpr int smem_bytes() {
+    return kWarps * warp_bytes<KV>() > kMergeBytes ? kWarps * warp_bytes<KV>() : kMergeBytes;
+  }
+  static constexpr int kSmemBytes = smem_bytes<uint16_t>();  // the largest (16-bit cache)
   // Tiles of one chunk, the smallest non-empty split.
   static constexpr int kChunkTiles = kWarps * kTilesPerWarpChunk;
   static_assert(kThreads % kHeadDim == 0, "the merge gives each thread one dim of some rows");
@@ -141,7 +162,8 @@ struct DecodeParams {
   int ctx_cap;                  // min(max_blocks * block_size, 2^30): seq_lens are clamped to it
   int interleave;               // 1: split s takes chunks s, s + num_splits, ... (else contiguous)
   int pdl;                      // 1: launched with PDL; wait for the previous grid first
-  float scale_log2;             // softmax scale * log2(e): the kernel works in base 2
+  float scale_log2;             // softmax scale * k_scale * log2(e): the kernel works in base 2
+  float v_scale;                // the output's factor (1 but for an fp8 cache)
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
@@ -176,8 +198,12 @@ __device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_c) 
 // Keep this loop free of code it does not run: with a merge step compiled into the split kernel
 // (not run), ptxas scheduled the main loop differently and B=1 ctx 32k went from 37.8 to 43.7 us
 // (H200, bench_attention_decode.py).
-template <typename T, bool kSplit, typename S>
+// KV: the cache's element type (T, or uint8_t for e4m3); M: the mma's 16-bit type.
+template <typename T, typename KV, bool kSplit, typename S>
 __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
+  constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
+  using M = std::conditional_t<kFp8, __half, T>;
+  constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(KV));
   constexpr int kWarps = S::kWarps;
   constexpr int kStages = S::kStages;
   constexpr int kChunkTiles = S::kChunkTiles;
@@ -256,18 +282,25 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
     for (int r = 0; r < 4; ++r) {
       const int row = g + (r & 1) * 8;
       const int col = ks * 16 + (r >> 1) * 8 + 2 * t;
-      qa[ks][r] = row < rows ? *reinterpret_cast<const uint32_t*>(q + row * kHeadDim + col) : 0u;
+      const uint32_t w = row < rows ? *reinterpret_cast<const uint32_t*>(q + row * kHeadDim + col) : 0u;
+      qa[ks][r] = kFp8 ? fp8::to_half2<T>(w) : w;
     }
   }
 
-  // Per-warp cp.async pipeline.
-  T* pipe = reinterpret_cast<T*>(smem) + warp * kStages * kStageElems;
+  // Per-warp cp.async pipeline (and, for an fp8 cache, the converted tile after its stages).
+  uint8_t* pipe = smem + warp * S::template warp_bytes<KV>();
+  M* conv = reinterpret_cast<M*>(pipe + kStages * kStageBytes);
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;  // between keys
   const int64_t block_stride = row_stride * p.block_size;
-  const T* k_head = static_cast<const T*>(p.k_cache) + static_cast<int64_t>(kvh) * kHeadDim;
-  const T* v_head = static_cast<const T*>(p.v_cache) + static_cast<int64_t>(kvh) * kHeadDim;
-  const int lane_chunk = lane & 15;  // lane copies 16-byte chunk lane_chunk of rows lane/16 + 2j
+  const KV* k_head = static_cast<const KV*>(p.k_cache) + static_cast<int64_t>(kvh) * kHeadDim;
+  const KV* v_head = static_cast<const KV*>(p.v_cache) + static_cast<int64_t>(kvh) * kHeadDim;
+  // A cache row is kRowChunks 16-byte chunks: lane copies chunk lane_chunk of rows
+  // lane / kRowChunks + (32 / kRowChunks) j.
+  constexpr int kRowChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;
+  constexpr int kRowsPerPass = 32 / kRowChunks;
+  const int lane_chunk = lane % kRowChunks;
+  const int lane_row = lane / kRowChunks;
 
   // The block id of the i-th tile of this warp, read one tile ahead of its copy so the copy never
   // waits on the block-table load. The index is clamped to the table rather than checked against
@@ -279,16 +312,20 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   auto issue = [&](int i, int block) {
     const int key0 = tile_of(i) * kTileKeys;
     const int64_t base = static_cast<int64_t>(block) * block_stride +
-                         static_cast<int64_t>(key0 % p.block_size) * row_stride + lane_chunk * 8;
-    T* ks = pipe + (i % kStages) * kStageElems;
-    T* vs = ks + kTileElems;
+                         static_cast<int64_t>(key0 % p.block_size) * row_stride +
+                         lane_chunk * (16 / static_cast<int>(sizeof(KV)));
+    uint8_t* ks = pipe + (i % kStages) * kStageBytes;
+    uint8_t* vs = ks + kStageBytes / 2;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int row = (lane >> 4) + 2 * j;
+    for (int j = 0; j < kTileKeys / kRowsPerPass; ++j) {
+      const int row = lane_row + kRowsPerPass * j;
       const bool valid = key0 + row < seq_len;
       const int64_t off = base + (valid ? row : 0) * row_stride;
-      cp_async_16(smem_addr(ks + swz(row, lane_chunk)), k_head + off, valid);
-      cp_async_16(smem_addr(vs + swz(row, lane_chunk)), v_head + off, valid);
+      // 16-bit tiles are swizzled for ldmatrix; fp8 staging rows are plain (each lane reads back
+      // only its own chunks, 8 lanes covering one 128-byte row: no bank conflict).
+      const int dst = kFp8 ? row * kHeadDim + lane_chunk * 16 : swz(row, lane_chunk) * 2;
+      cp_async_16(smem_addr(ks + dst), k_head + off, valid);
+      cp_async_16(smem_addr(vs + dst), v_head + off, valid);
     }
   };
 
@@ -314,8 +351,29 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
     }
     cp_async_commit();
 
-    const T* ks = pipe + (i % kStages) * kStageElems;
-    const T* vs = ks + kTileElems;
+    const M* ks = reinterpret_cast<const M*>(pipe + (i % kStages) * kStageBytes);
+    if constexpr (kFp8) {
+      // Widen the chunks this lane copied (landed: its own cp.async groups) into the converted
+      // tile; the warp's tile i - 1 reads of it are done (the __syncwarp above).
+      const uint8_t* k8 = pipe + (i % kStages) * kStageBytes;
+#pragma unroll
+      for (int j = 0; j < kTileKeys / kRowsPerPass; ++j) {
+        const int row = lane_row + kRowsPerPass * j;
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+          uint4 lo, hi;
+          fp8::e4m3x16_to_half(
+              *reinterpret_cast<const uint4*>(k8 + kv * kTileElems + row * kHeadDim +
+                                              lane_chunk * 16),
+              lo, hi);
+          *reinterpret_cast<uint4*>(conv + kv * kTileElems + swz(row, 2 * lane_chunk)) = lo;
+          *reinterpret_cast<uint4*>(conv + kv * kTileElems + swz(row, 2 * lane_chunk + 1)) = hi;
+        }
+      }
+      __syncwarp();
+      ks = conv;
+    }
+    const M* vs = ks + kTileElems;
 
     // S = Q K^T for 16 keys: two n8 tiles. ldmatrix matrices: (keys 0-7 | 8-15) x (dims lo | hi).
     float s[2][4] = {};
@@ -326,8 +384,8 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       for (int kk = 0; kk < 8; ++kk) {
         uint32_t kb[4];
         ldmatrix_x4(kb, smem_addr(ks + swz(key, 2 * kk + hi)));
-        mma_16816<T>(s[0], qa[kk], kb[0], kb[1]);
-        mma_16816<T>(s[1], qa[kk], kb[2], kb[3]);
+        mma_16816<M>(s[0], qa[kk], kb[0], kb[1]);
+        mma_16816<M>(s[1], qa[kk], kb[2], kb[3]);
       }
     }
 
@@ -376,10 +434,10 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
 
     // O += P V. P's C-fragment layout (two n8 tiles) is exactly the A layout of one k16 step.
     uint32_t pa[4];
-    pa[0] = pack2<T>(s[0][0], s[0][1]);
-    pa[1] = pack2<T>(s[0][2], s[0][3]);
-    pa[2] = pack2<T>(s[1][0], s[1][1]);
-    pa[3] = pack2<T>(s[1][2], s[1][3]);
+    pa[0] = pack2<M>(s[0][0], s[0][1]);
+    pa[1] = pack2<M>(s[0][2], s[0][3]);
+    pa[2] = pack2<M>(s[1][0], s[1][1]);
+    pa[3] = pack2<M>(s[1][2], s[1][3]);
     {
       // ldmatrix.trans matrices: (keys 0-7 | 8-15) x (dims 16n .. +7 | 16n + 8 .. +15).
       const int key = (lane & 7) + (((lane >> 3) & 1) << 3);
@@ -388,8 +446,8 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       for (int n = 0; n < 8; ++n) {
         uint32_t vb[4];
         ldmatrix_x4_trans(vb, smem_addr(vs + swz(key, 2 * n + hi)));
-        mma_16816<T>(o[2 * n], pa, vb[0], vb[1]);
-        mma_16816<T>(o[2 * n + 1], pa, vb[2], vb[3]);
+        mma_16816<M>(o[2 * n], pa, vb[0], vb[1]);
+        mma_16816<M>(o[2 * n + 1], pa, vb[2], vb[3]);
       }
     }
   }
@@ -437,7 +495,7 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
         acc += so[(w * kRows + r) * kMergeStride + d] * f;
       }
     }
-    const float val = l > 0.f ? acc / l : 0.f;
+    const float val = l > 0.f ? acc / l * p.v_scale : 0.f;
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + r;
     if (!kSplit || alone) {
       static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(val);
@@ -579,7 +637,7 @@ bool split_shape_fits() {
 // Resident CTAs of the main kernel per SM (w4s3: 1 on A100's 164 KB of shared memory, 2 on
 // H100/H200), queried once per device. Also raises the kernel's dynamic shared memory limit, which
 // is per device. A shape that does not fit the device's shared memory fails here.
-template <typename T, bool kSplit, typename S>
+template <typename T, typename KV, bool kSplit, typename S>
 cudaError_t prepare_kernel(int* ctas_per_sm) {
   static int cached[kMaxDevices] = {};
   int dev = 0;
@@ -589,11 +647,12 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
     *ctas_per_sm = cached[dev];
     return cudaSuccess;
   }
-  auto kernel = paged_decode_kernel<T, kSplit, S>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+  auto kernel = paged_decode_kernel<T, KV, kSplit, S>;
+  constexpr int kSmem = S::template smem_bytes<KV>();
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   int n = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, S::kThreads, S::kSmemBytes);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, S::kThreads, kSmem);
   if (err != cudaSuccess) return err;
   n = n > 0 ? n : 1;
   if (dev < kMaxDevices) cached[dev] = n;
@@ -649,13 +708,14 @@ cudaError_t launch_pdl(Kernel kernel, dim3 grid, int threads, int smem, bool pdl
   return launch_ex(kernel, LaunchConfig(grid, dim3(threads), smem, stream, pdl, 1), p);
 }
 
-template <typename T, typename S>
+template <typename T, typename KV, typename S>
 cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const LaunchChoice& c,
                    cudaStream_t stream) {
+  constexpr int kSmem = S::template smem_bytes<KV>();
   int ctas_per_sm = 1, unused = 1;
-  cudaError_t err = prepare_kernel<T, true, S>(&ctas_per_sm);
+  cudaError_t err = prepare_kernel<T, KV, true, S>(&ctas_per_sm);
   if (err != cudaSuccess) return err;
-  err = prepare_kernel<T, false, S>(&unused);
+  err = prepare_kernel<T, KV, false, S>(&unused);
   if (err != cudaSuccess) return err;
   bool has_pdl = false;
   err = device_has_pdl(&has_pdl);
@@ -670,16 +730,16 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
   const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
   if (p.num_splits == 1) {
     if (p.pdl)
-      return launch_pdl(paged_decode_kernel<T, false, S>, grid, S::kThreads, S::kSmemBytes, true,
-                       stream, p);
-    paged_decode_kernel<T, false, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+      return launch_pdl(paged_decode_kernel<T, KV, false, S>, grid, S::kThreads, kSmem, true,
+                        stream, p);
+    paged_decode_kernel<T, KV, false, S><<<grid, S::kThreads, kSmem, stream>>>(p);
     return cudaGetLastError();
   }
   if (p.pdl) {
-    err = launch_pdl(paged_decode_kernel<T, true, S>, grid, S::kThreads, S::kSmemBytes, true,
-                     stream, p);
+    err = launch_pdl(paged_decode_kernel<T, KV, true, S>, grid, S::kThreads, kSmem, true, stream,
+                     p);
   } else {
-    paged_decode_kernel<T, true, S><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
+    paged_decode_kernel<T, KV, true, S><<<grid, S::kThreads, kSmem, stream>>>(p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) return err;
@@ -697,7 +757,7 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
                                    const int32_t* seq_lens, float* workspace, int batch,
                                    int num_q_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int max_splits, float scale,
-                                   int num_sms, DType dtype, cudaStream_t stream) {
+                                   int num_sms, DType dtype, KvCache kv, cudaStream_t stream) {
   if (head_dim != kHeadDim || block_size < kTileKeys || block_size % kTileKeys != 0 ||
       num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0 || max_splits < 1 ||
       max_blocks < 1 || num_sms < 1 || batch < 0 || batch > 65535 ||
@@ -721,15 +781,21 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   p.block_size = block_size;
   p.max_blocks = max_blocks;
   p.max_splits = max_splits;
-  p.scale_log2 = scale * 1.4426950408889634f;
+  p.scale_log2 = scale * kv.k_scale * 1.4426950408889634f;
+  p.v_scale = kv.v_scale;
   const int64_t max_ctx64 = static_cast<int64_t>(max_blocks) * block_size;
   const int max_ctx = max_ctx64 > (1 << 30) ? (1 << 30) : static_cast<int>(max_ctx64);
   p.ctx_cap = max_ctx;
   if (num_kv_heads * p.head_chunks > 65535) return cudaErrorInvalidValue;
   const LaunchChoice c = choose_launch(batch, num_kv_heads * p.head_chunks, num_sms);
+  auto run = [&](auto t_tag, auto kv_tag) {
+    using T = decltype(t_tag);
+    using KV = decltype(kv_tag);
+    return c.split_shape ? launch<T, KV, SplitShape>(p, batch, max_ctx, num_sms, c, stream)
+                         : launch<T, KV, BatchShape>(p, batch, max_ctx, num_sms, c, stream);
+  };
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    return c.split_shape ? launch<T, SplitShape>(p, batch, max_ctx, num_sms, c, stream)
-                         : launch<T, BatchShape>(p, batch, max_ctx, num_sms, c, stream);
+    return kv.fp8 ? run(T(), uint8_t()) : run(T(), T());
   });
 }
 

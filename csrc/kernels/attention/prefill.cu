@@ -24,12 +24,21 @@
 // index XOR-swizzled by (row & 7), so ldmatrix of 8 rows at one logical chunk hits 8 distinct
 // bank groups.
 //
+// FP8 cache (KV = uint8_t, e4m3 with per-layer scales, launchers.h KvCache): K/V tiles arrive as
+// e4m3 bytes in a staging tile (plain rows of 128 bytes, 8 threads a row); after a tile lands each
+// thread widens the chunks it copied to fp16 into the usual swizzled tile, and the mma runs in fp16
+// (e4m3 -> fp16 is exact; Q is turned into fp16 once, exact in fp16's normal range). k_scale is
+// folded into the softmax scale, v_scale into the output's normalisation. Only this kernel reads
+// an fp8 cache: the entry point does not hand such a call to the wgmma kernel.
+//
 // Numerics: fp32 scores and accumulators; softmax in base 2 with scale * log2(e) folded into
 // one FMA; P rounded to the input dtype for the P V product (as FlashAttention does); the output
 // normalised in fp32 and written with 16-byte stores through shared memory.
 #include <cfloat>
+#include <type_traits>
 
 #include "prefill_common.cuh"
+#include "qwen3_kernels/e4m3.cuh"
 
 namespace qwen3_kernels {
 namespace {
@@ -44,6 +53,7 @@ constexpr int kRowBytes = kHeadDim * 2;            // one 16-bit head row: 16 ch
 constexpr int kQBytes = kBlockM * kRowBytes;       // 32 KiB, reused to stage the output
 constexpr int kTileBytes = kBlockN * kRowBytes;    // 16 KiB per K or V tile
 constexpr int kSmemBytes = kQBytes + 4 * kTileBytes;  // Q + 2 K + 2 V stages = 96 KiB
+constexpr int kStagingBytes = 4 * kBlockN * kHeadDim;  // fp8 cache: 2 K + 2 V e4m3 tiles, 32 KiB
 constexpr int kLoadRowsPerPass = kThreads / 16;    // 16 threads load one 256-byte row
 
 // ---- PTX wrappers -----------------------------------------------------------------------------
@@ -57,8 +67,11 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
 
 // grid (Hkv, ceil(max_seqlen_q * group / BLOCK_M), B). The M tiles run in reverse order so the
 // longest causal rows (last tiles) start first and the short ones fill the tail.
-template <typename T>
+// KV: the cache's element type (T, or uint8_t for e4m3); M: the mma's 16-bit type.
+template <typename T, typename KV>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParams p) {
+  constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
+  using M = std::conditional_t<kFp8, __half, T>;
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int kv_head = blockIdx.x;
@@ -87,6 +100,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   const uint32_t s_q = smem_addr(smem);
   const uint32_t s_k = s_q + kQBytes;            // 2 stages
   const uint32_t s_v = s_k + 2 * kTileBytes;     // 2 stages
+  const uint32_t s_k8 = s_v + 2 * kTileBytes;    // fp8 cache: 2 K staging tiles, then 2 V
+  const uint32_t s_v8 = s_k8 + 2 * kBlockN * kHeadDim;
 
   // Loader role: thread tid copies chunk (tid & 15) of rows (tid >> 4) + 16 * i.
   const int ld_chunk = tid & 15;
@@ -97,19 +112,27 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       p, s_q, q_start, kv_head, group, row0, rows, ld_row, ld_chunk,
       [&](int r) { return swizzle(r, ld_chunk); });
 
-  // K/V rows: key j lives in cache block table[j / block_size] at slot j % block_size.
+  // K/V rows: key j lives in cache block table[j / block_size] at slot j % block_size. A cache row
+  // is kKvChunks 16-byte chunks (16 for 16-bit, 8 for e4m3): thread tid copies chunk
+  // tid % kKvChunks of rows tid / kKvChunks + kKvRowsPerPass i.
+  constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;
+  constexpr int kKvRowsPerPass = kThreads / kKvChunks;
+  const int kv_chunk = tid % kKvChunks;
+  const int kv_row = tid / kKvChunks;
   const int64_t slot_stride = (int64_t)p.num_kv_heads * kHeadDim;  // elements between slots
-  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * kHeadDim + ld_chunk * 8;
-  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * kHeadDim + ld_chunk * 8;
+  const KV* k_head = static_cast<const KV*>(p.k_cache) + kv_head * kHeadDim +
+                     kv_chunk * (16 / static_cast<int>(sizeof(KV)));
+  const KV* v_head = static_cast<const KV*>(p.v_cache) + kv_head * kHeadDim +
+                     kv_chunk * (16 / static_cast<int>(sizeof(KV)));
   const int32_t* table = p.block_tables + (int64_t)seq * p.max_blocks;
   const int block_mask = (1 << p.block_size_log2) - 1;
-  constexpr int kKvLoads = kBlockN / kLoadRowsPerPass;  // rows per thread per tile
+  constexpr int kKvLoads = kBlockN / kKvRowsPerPass;  // rows per thread per tile
   int64_t kv_off[kKvLoads];  // element offsets of this thread's rows; -1 past the sequence
 
   auto find_rows = [&](int tile) {
 #pragma unroll
     for (int i = 0; i < kKvLoads; ++i) {
-      const int key = tile * kBlockN + ld_row + i * kLoadRowsPerPass;
+      const int key = tile * kBlockN + kv_row + i * kKvRowsPerPass;
       kv_off[i] = -1;
       if (key < lk) {
         const int64_t block = __ldg(table + (key >> p.block_size_log2));
@@ -117,20 +140,38 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       }
     }
   };
-  auto load_tile = [&](uint32_t dst, const T* head_base) {
+  // dst: the 16-bit tile (swizzled), or for an fp8 cache the staging tile (plain 128-byte rows).
+  auto load_tile = [&](uint32_t dst, const KV* head_base) {
 #pragma unroll
     for (int i = 0; i < kKvLoads; ++i) {
-      const int r = ld_row + i * kLoadRowsPerPass;
+      const int r = kv_row + i * kKvRowsPerPass;
       const bool valid = kv_off[i] >= 0;
-      cp_async_16(dst + swizzle(r, ld_chunk), valid ? head_base + kv_off[i] : head_base, valid);
+      const uint32_t at = kFp8 ? r * kHeadDim + kv_chunk * 16 : swizzle(r, kv_chunk);
+      cp_async_16(dst + at, valid ? head_base + kv_off[i] : head_base, valid);
     }
   };
+  // fp8 cache: this thread's staged chunks (landed: its own copies) -> fp16 in the swizzled tile.
+  auto widen_tile = [&](uint32_t staged, uint32_t dst) {
+#pragma unroll
+    for (int i = 0; i < kKvLoads; ++i) {
+      const int r = kv_row + i * kKvRowsPerPass;
+      uint4 lo, hi;
+      fp8::e4m3x16_to_half(
+          *reinterpret_cast<const uint4*>(smem + (staged - s_q) + r * kHeadDim + kv_chunk * 16),
+          lo, hi);
+      *reinterpret_cast<uint4*>(smem + (dst - s_q) + swizzle(r, 2 * kv_chunk)) = lo;
+      *reinterpret_cast<uint4*>(smem + (dst - s_q) + swizzle(r, 2 * kv_chunk + 1)) = hi;
+    }
+  };
+  // Where tile n's copies go: the staging tile (fp8) or the 16-bit tile itself.
+  const uint32_t k_dst = kFp8 ? s_k8 : s_k, v_dst = kFp8 ? s_v8 : s_v;
+  constexpr uint32_t kDstBytes = kFp8 ? kBlockN * kHeadDim : kTileBytes;
 
   // Groups in flight, in commit order: {Q, K0}, {V0}, then per tile n: {K(n+1)}, {V(n+1)}.
   find_rows(0);
-  load_tile(s_k, k_head);
+  load_tile(k_dst, k_head);
   cp_async_commit();
-  load_tile(s_v, v_head);
+  load_tile(v_dst, v_head);
   cp_async_commit();
 
   // MMA fragment coordinates: lane holds rows g and g + 8 of its warp's 16, columns 2t, 2t + 1
@@ -146,6 +187,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk)
     ldmatrix_x4(q_frag[kk], s_q + swizzle(warp * 16 + lane_row16, 2 * kk + lane_hi));
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) q_frag[kk][r] = fp8::to_half2<T>(q_frag[kk][r]);
+  }
 
   // Absolute position of this lane's two rows (rows past the sequence get positions past its
   // end: they compute harmless values on zero-filled K/V and are never stored).
@@ -163,10 +210,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     const uint32_t stage_off = (n & 1) * kTileBytes;
     const uint32_t next_off = kTileBytes - stage_off;
     cp_async_wait<1>();  // K(n) has landed (V(n) may still be in flight)
+    if constexpr (kFp8) widen_tile(s_k8 + (n & 1) * kDstBytes, s_k + stage_off);
     __syncthreads();     // ... for every thread, and everyone is done with tile n - 1
     if (n + 1 < n_tiles) {
       find_rows(n + 1);
-      load_tile(s_k + next_off, k_head);
+      load_tile(k_dst + ((n + 1) & 1) * kDstBytes, k_head);
     }
     cp_async_commit();
 
@@ -182,8 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
         uint32_t kf[4];
         ldmatrix_x4(kf, s_k + stage_off + swizzle(kn * 16 + (lane & 7) + (lane_hi << 3),
                                                   2 * kk + ((lane >> 3) & 1)));
-        mma_16816<T>(s[2 * kn], q_frag[kk], kf[0], kf[1]);
-        mma_16816<T>(s[2 * kn + 1], q_frag[kk], kf[2], kf[3]);
+        mma_16816<M>(s[2 * kn], q_frag[kk], kf[0], kf[1]);
+        mma_16816<M>(s[2 * kn + 1], q_frag[kk], kf[2], kf[3]);
       }
     }
 
@@ -201,15 +249,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     uint32_t p_frag[kBlockN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      p_frag[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      p_frag[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      p_frag[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      p_frag[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      p_frag[kk][0] = pack2<M>(s[2 * kk][0], s[2 * kk][1]);
+      p_frag[kk][1] = pack2<M>(s[2 * kk][2], s[2 * kk][3]);
+      p_frag[kk][2] = pack2<M>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      p_frag[kk][3] = pack2<M>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
 
     cp_async_wait<1>();  // V(n) has landed (K(n+1) may still be in flight)
+    if constexpr (kFp8) widen_tile(s_v8 + (n & 1) * kDstBytes, s_v + stage_off);
     __syncthreads();
-    if (n + 1 < n_tiles) load_tile(s_v + next_off, v_head);
+    if (n + 1 < n_tiles) load_tile(v_dst + ((n + 1) & 1) * kDstBytes, v_head);
     cp_async_commit();
 
     // O += P V: V is [key][d] in shared memory, so the B fragments come from ldmatrix.trans.
@@ -220,8 +269,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
         // Matrices: keys 0-7 | d lo, keys 8-15 | d lo, keys 0-7 | d hi, keys 8-15 | d hi.
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, s_v + stage_off + swizzle(kk * 16 + lane_row16, 2 * dn + lane_hi));
-        mma_16816<T>(o[2 * dn], p_frag[kk], vf[0], vf[1]);
-        mma_16816<T>(o[2 * dn + 1], p_frag[kk], vf[2], vf[3]);
+        mma_16816<M>(o[2 * dn], p_frag[kk], vf[0], vf[1]);
+        mma_16816<M>(o[2 * dn + 1], p_frag[kk], vf[2], vf[3]);
       }
     }
   }
@@ -230,6 +279,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   // Normalise in fp32; a row with no visible key (only possible for invalid inputs) writes 0.
   float inv[2];
   inverse_row_sums(row_sum, inv);
+  inv[0] *= p.v_scale;
+  inv[1] *= p.v_scale;
 
   // Stage the warp's 16 output rows in its own Q rows (only this warp ever read them), then
   // write whole 256-byte rows with 16-byte stores.
@@ -256,18 +307,19 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 cudaError_t launch_prefill(const PrefillParams& p, int batch, int max_seqlen_q,
                            cudaStream_t stream) {
+  constexpr int kSmem = kSmemBytes + (std::is_same_v<KV, uint8_t> ? kStagingBytes : 0);
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
   // Opting into > 48 KiB of dynamic shared memory is per kernel and per device; it is cheap, so
   // set it on every call rather than caching a flag that would be wrong on a second GPU.
-  cudaError_t err = cudaFuncSetAttribute(prefill_kernel<T>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(prefill_kernel<T, KV>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_kv_heads, (unsigned)m_blocks, batch);
-  prefill_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  prefill_kernel<T, KV><<<grid, kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -278,7 +330,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
                                     const int32_t* seq_lens_k, const int32_t* block_tables,
                                     int batch, int max_seqlen_q, int num_q_heads,
                                     int num_kv_heads, int head_dim, int block_size,
-                                    int max_blocks, float scale, DType dtype,
+                                    int max_blocks, float scale, DType dtype, KvCache kv,
                                     cudaStream_t stream) {
   // head_dim 128 only: ops.py sends other head dims to the reference.
   if (head_dim != kHeadDim) return cudaErrorInvalidValue;
@@ -303,19 +355,22 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.group = num_q_heads / num_kv_heads;
   p.block_size_log2 = __builtin_ctz(static_cast<unsigned>(block_size));
   p.max_blocks = max_blocks;
-  p.scale_log2 = scale * 1.4426950408889634f;
+  p.scale_log2 = scale * kv.k_scale * 1.4426950408889634f;
+  p.v_scale = kv.v_scale;
   // The one choice of kernel. Where the device runs this binary's sm_90a code (H100/H200): the
   // warp-specialised wgmma kernel (prefill_sm90_ws.cu), persistent up to 8192 query tokens a
   // sequence and one CTA per work tile above. H200 (bench_attention_prefill.py, four runs):
   // persistent against one-tile 0.5-4% faster at causal 4k (268.3 / 279.3 us; cuDNN 273.4),
   // 2.3-3.5% at 8 x 2k, equal on prefix chunks of 512 and 2048 queries, 0.6-6.3% slower at 16k.
-  // Elsewhere (sm_80 .. sm_89): this file's mma.sync kernel.
+  // Elsewhere (sm_80 .. sm_89), and for an fp8 cache on every device: this file's mma.sync kernel.
   constexpr int kPersistentMaxSeqlenQ = 8192;
-  if (prefill::sm90_available())
+  if (!kv.fp8 && prefill::sm90_available())
     return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
                                    max_seqlen_q <= kPersistentMaxSeqlenQ, stream);
-  return QWEN3_DISPATCH_HALF(dtype, T,
-                             [&] { return launch_prefill<T>(p, batch, max_seqlen_q, stream); });
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    return kv.fp8 ? launch_prefill<T, uint8_t>(p, batch, max_seqlen_q, stream)
+                  : launch_prefill<T, T>(p, batch, max_seqlen_q, stream);
+  });
 }
 
 }  // namespace qwen3_kernels

@@ -23,7 +23,8 @@ struct PrefillParams {
   int group;                    // num_q_heads / num_kv_heads
   int block_size_log2;          // block_size is a power of two (16..256)
   int max_blocks;
-  float scale_log2;             // softmax scale * log2(e): scores go straight into exp2
+  float scale_log2;             // softmax scale * k_scale * log2(e): scores go straight into exp2
+  float v_scale;                // the output's factor (1 but for an fp8 cache, prefill.cu only)
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 
 #include "linear_fp8.h"
 #include "qwen3_kernels/common.cuh"
+#include "qwen3_kernels/e4m3.cuh"
 
 namespace qwen3_kernels::fp8 {
 
@@ -65,22 +66,10 @@ __device__ __forceinline__ uint2 quantize8(const uint4& v, float scale) {
   uint32_t q[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 p = make_float2(__fdiv_rn(f[2 * i], scale), __fdiv_rn(f[2 * i + 1], scale));
-    const uint32_t pair = __nv_cvt_float2_to_fp8x2(p, __NV_SATFINITE, __NV_E4M3);
+    const uint32_t pair = e4m3x2_quantize(f[2 * i], f[2 * i + 1], scale);
     q[i / 2] |= pair << (16 * (i % 2));
   }
   return make_uint2(q[0], q[1]);
-}
-
-// Four e4m3 bytes -> two f16x2 words (bytes 0, 1 in lo; 2, 3 in hi; the lower byte in the lower
-// half). Exact: every e4m3 value, subnormals included, is an fp16 value.
-__device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(
-      static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-  const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(
-      static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-  lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-  hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
 }
 
 }  // namespace qwen3_kernels::fp8

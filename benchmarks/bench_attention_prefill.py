@@ -219,3 +219,41 @@ def test_prefill_prefix_chunk(report, lq, lk):
     notes = [f"{k} {flops / t / 1e12:.0f} TFLOP/s" for k, t in baselines.items()] + notes
     report("paged_attention_prefill", f"prefix chunk Lq={lq} Lk={lk} Hq/Hkv={hq}/{hkv}",
            t_ours, baselines, flops=flops, baseline="sdpa_masked", note="; ".join(notes))
+
+
+@pytest.mark.parametrize("batch,seqlen,block_size", [(8, 2048, 16), (1, 4096, 256)])
+def test_prefill_fp8_kv(report, batch, seqlen, block_size):
+    """FP8 KV cache: the same K/V rounded to e4m3 (scale 1), read by our prefill (prefill.cu's
+    mma.sync kernel, which widens the e4m3 tiles to fp16); against cuDNN and our bf16-cache
+    kernel on the same problem. What reading an fp8 cache costs a prefill."""
+    from torch.nn.attention import SDPBackend
+
+    hq, hkv = 32, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = 1.0 / math.sqrt(D)
+    s = make_inputs(batch, seqlen, hq, hkv, block_size, gen)
+    s["k8"] = s["k_cache"].to(torch.float8_e4m3fn)
+    s["v8"] = s["v_cache"].to(torch.float8_e4m3fn)
+
+    def ours(kc, vc):
+        return lambda: ops.paged_attention_prefill(
+            s["q_packed"], s[kc], s[vc], s["cu"], s["lens"], s["block_tables"], seqlen, scale,
+            out=s["out"])
+
+    want = F.scaled_dot_product_attention(s["q"], s["k"], s["v"], is_causal=True, scale=scale,
+                                          enable_gqa=True)
+    s["out"].fill_(float("nan"))
+    ours("k8", "v8")()
+    b, h, lq, _ = want.shape
+    got = s["out"].view(b, lq, h, D).transpose(1, 2)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 6e-2, f"fp8 kv prefill differs from SDPA on the bf16 K/V (rel err {err:.3e})"
+    cudnn = _sdpa_fn(SDPBackend.CUDNN_ATTENTION, s, scale)
+    best = rematch({"ours": [ours("k8", "v8")], "sdpa_cudnn": [cudnn],
+                    "ours_bf16": [ours("k_cache", "v_cache")]}, {}, reps=20)
+    flops = causal_flops(batch, seqlen, hq)
+    report("paged_attention_prefill",
+           f"causal B={batch} L={seqlen} Hq/Hkv={hq}/{hkv} bs={block_size} fp8 kv", best["ours"],
+           {"sdpa_cudnn": best["sdpa_cudnn"], "ours_bf16": best["ours_bf16"]}, flops=flops,
+           baseline="sdpa_cudnn", note=f"rel err vs SDPA on the bf16 K/V {err:.3f}; best of 3, "
+           "alternating")

@@ -555,6 +555,15 @@ def paged_attention_prefill(
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_aligned16(op: str, **tensors):
+    """CUDA tensors the GEMM kernels read with 16-byte loads (and TMA) must start 16-byte aligned:
+    only a view at an odd storage offset fails this."""
+    bad = [name for name, t in tensors.items() if t.is_cuda and t.data_ptr() % 16]
+    if bad:
+        _fail(op, f"{', '.join(tensors)} must start 16-byte aligned (the kernels' 16-byte loads "
+                  f"and TMA); {', '.join(bad)} is a view at an odd offset")
+
+
 def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
     """The checks linear and linear_silu_and_mul share: x [T, K] and weight [N, K] contiguous,
     one dtype and device, K and N multiples of 8; out [T, out_cols(N)] contiguous (allocated when
@@ -577,9 +586,8 @@ def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
         _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
         _check_contiguous(op, "out", out)
         _check_shape(op, "out", out, (x.shape[0], cols))
-    if checked and x.is_cuda and any(t.data_ptr() % 16 for t in (x, weight, out)):
-        _fail(op, "x, weight and out must start 16-byte aligned (the kernels' 16-byte loads and "
-                  "TMA); got a view at an odd offset")
+    if checked:
+        _check_aligned16(op, x=x, weight=weight, out=out)
     return out
 
 
@@ -689,9 +697,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
         _check_contiguous(op, "out", out)
         _check_shape(op, "out", out, (x.shape[0], n))
-        if x.is_cuda and any(t.data_ptr() % 16 for t in (x, weight, weight_scale_inv, out)):
-            _fail(op, "x, weight, weight_scale_inv and out must start 16-byte aligned; got a "
-                      "view at an odd offset")
+        _check_aligned16(op, x=x, weight=weight, weight_scale_inv=weight_scale_inv, out=out)
     _run(op, _fp8_kernel_ok(x), out, x, weight, weight_scale_inv)
     return out
 

@@ -27,6 +27,7 @@ from qwen3_model.engine.scheduler import ScheduledBatch
 from qwen3_model.engine.sequence import Sequence, TokenLogprobs
 from qwen3_model.engine.step_inputs import StepInputs, StepPlan, HostStaging, typed_torch
 from qwen3_model.layers.sampler import Sampler, SamplingBatch
+from qwen3_model.sampling_params import MAX_LOGPROBS
 from qwen3_model.utils.blas import prefer_cublaslt
 from qwen3_model.utils.context import Context, reset_context, set_context
 
@@ -68,9 +69,15 @@ def logprob_stats(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprob
     values, ids = [lp.gather(1, tokens)], [rank]
     k = min(k, lp.shape[1])
     if k:
-        top = lp.topk(k, dim=-1)  # sorted, most likely first
-        values.append(top.values)
-        ids.append(top.indices)
+        # A request's top-N must not depend on what else is in its step: torch.topk orders tied
+        # values differently for different k, and k is the step's largest request. So the top
+        # MAX_LOGPROBS always, ordered by (logprob descending, token id ascending), then cut.
+        top = lp.topk(min(MAX_LOGPROBS, lp.shape[1]), dim=-1)
+        by_id = top.indices.argsort(dim=-1)
+        top_ids, top_values = top.indices.gather(1, by_id), top.values.gather(1, by_id)
+        order = top_values.argsort(dim=-1, descending=True, stable=True)[:, :k]
+        values.append(top_values.gather(1, order))
+        ids.append(top_ids.gather(1, order))
     return LogprobRows(torch.cat(values, dim=1), torch.cat(ids, dim=1))
 
 

@@ -32,7 +32,7 @@ engine settings as keywords (so the factory decides the model, the device and th
 On the CPU the engine's own fp32 ops are not batch-invariant (a GEMM rounds a row differently by
 its number of rows; tests/test_batch_invariance.py has the findings); ``cpu_batch_invariant_ops()``
 swaps in the same math one row / one query at a time, so that the rest of the engine can be held
-to exact invariance there today. On CUDA the deterministic mode itself must give that.
+to exact invariance on the CPU. On CUDA the deterministic mode itself must give that.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ ALONE_OVERRIDES = dict(enable_prefix_caching=False)
 def make_llm_factory(model: str, *, deterministic: bool | None = None,
                      **base) -> LLMFactory:
     """``factory(**overrides) -> LLM(model, **base, **overrides)``. ``deterministic``: passed to
-    the LLM when not None (the batch-invariant mode, once the engine has that setting; on the CPU
-    today every op is the fp32 reference and nothing is passed)."""
+    the LLM when not None (the engine's batch-invariant mode; None passes nothing, as the CPU
+    tests do, where every op is the fp32 reference)."""
     def factory(**overrides) -> LLM:
         kw = dict(base)
         if deterministic is not None:
@@ -121,7 +121,7 @@ def cpu_batch_invariant_ops() -> Iterator[None]:
     reference attention (qwen3_kernels.reference._attention_one, under paged_attention_decode /
     _prefill) compute each row the same way whatever the batch. This is what the deterministic
     mode has to give on CUDA; on the CPU it lets the harness check everything else (scheduler,
-    chunking, prefix cache, preemption, sampler, logprobs) for exact invariance today."""
+    chunking, prefix cache, preemption, sampler, logprobs) for exact invariance."""
     import qwen3_kernels.reference as ref
     import qwen3_model.layers.linear as lin
 

@@ -4,7 +4,7 @@ tests/batch_invariance.py: 16 target prompts (1..300 tokens) x (greedy, seeded t
 run alone when run among other requests, in prefill chunks, from the prefix cache, under KV
 pressure, reordered, with graphs or eager.
 
-What the CPU shows today (the findings these tests record):
+What the CPU shows (the findings these tests record):
 
 1. The engine's own CPU ops are not batch-invariant. F.linear (MKL's fp32 GEMM) rounds a row
    differently when the GEMM has 1..8 rows than when it has more, and the reference attention's
@@ -21,7 +21,7 @@ What the CPU shows today (the findings these tests record):
    -0x1.05ac3p+2). It now takes the top MAX_LOGPROBS in (logprob, token id) order and cuts
    (``test_tied_top_logprobs_in_a_batch_independent_order``).
 
-On CUDA (later): ``make_llm_factory(path, device="cuda", deterministic=True)`` and the same calls,
+On CUDA, with the deterministic mode: ``make_llm_factory(path, device="cuda", deterministic=True)`` and the same calls,
 without ``cpu_batch_invariant_ops`` (the mode itself must give that), 256 others, eager=False.
 """
 

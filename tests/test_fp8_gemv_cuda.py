@@ -29,7 +29,7 @@ GROUP = ref.FP8_GROUP
 # The e4m3 values of quantize_fp8 may differ from the reference's (torch's float -> e4m3 cast)
 # by one e4m3 step: up to 2.3e-3 of the values on the H200 (21 of 17,408 at T = 17, K = 1024),
 # with scales within one fp32 ulp of the reference's. Which conversion rounds which boundary
-# differently is not pinned down yet; the bound keeps a wrong rounding mode or scale (most
+# differently is not pinned down; the bound keeps a wrong rounding mode or scale (most
 # values off) failing.
 MAX_E4M3_MISMATCH_RATE = 5e-3
 

@@ -194,7 +194,7 @@ using Pingpong64 = BlockScaledGemm<
 
 enum class Config { kCoop128, kPingpong64 };
 
-// The choice, by shape. NOT YET MEASURED: the rule below is the starting point that
+// The choice, by shape. Not measured: the rule below is the starting point that
 // benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
 // what each configuration measured on the H200 and why the winner won).
 //   - Few tokens (M <= 64): Coop128. N / 128 tiles (32 for a 4096-row weight) would leave most

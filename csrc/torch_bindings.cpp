@@ -5,6 +5,8 @@
 // call is an unchecked launch, as vLLM's _C ops are (ops.py's docstring says why).
 // c10/cuda only (not ATen/cuda/CUDAContext.h, which pulls cuBLAS / cuSPARSE headers), so this file
 // also syntax-checks on a machine without them (tests/test_build.py).
+#include <algorithm>
+
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -60,19 +62,20 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
                op);
 }
 
-void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              bool batch_invariant) {
   const char* op = "rms_norm";
   const DType dt = half_dtype(x, op);
   if (x.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(qwen3_kernels::rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.size(0),
                                        x.size(1), out.stride(0), x.stride(0),
-                                       static_cast<float>(eps), dt, stream()),
+                                       static_cast<float>(eps), batch_invariant, dt, stream()),
                op);
 }
 
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                        double eps) {
+                        double eps, bool batch_invariant) {
   const char* op = "fused_add_rms_norm";
   const DType dt = half_dtype(x, op);
   if (x.size(0) == 0) return;
@@ -80,7 +83,8 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   check_launch(qwen3_kernels::fused_add_rms_norm(x.data_ptr(), residual.data_ptr(),
                                                  weight.data_ptr(), x.size(0), x.size(1),
                                                  x.stride(0), residual.stride(0),
-                                                 static_cast<float>(eps), dt, stream()),
+                                                 static_cast<float>(eps), batch_invariant, dt,
+                                                 stream()),
                op);
 }
 
@@ -113,7 +117,7 @@ void qk_norm_rope(at::Tensor& q_out, const at::Tensor& qkv, const at::Tensor& q_
 void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, at::Tensor& workspace,
-                            double k_scale, double v_scale) {
+                            double k_scale, double v_scale, bool batch_invariant) {
   const char* op = "paged_attention_decode";
   const DType dt = half_dtype(q, op);
   if (q.size(0) == 0) return;
@@ -125,21 +129,70 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
                    static_cast<int>(q.size(1)), static_cast<int>(k_cache.size(2)),
                    static_cast<int>(q.size(2)), static_cast<int>(k_cache.size(1)),
                    static_cast<int>(block_tables.size(1)), static_cast<int>(workspace.size(2)),
-                   static_cast<float>(scale), num_sms(q), dt, kv_cache(k_cache, k_scale, v_scale),
-                   stream()),
+                   static_cast<float>(scale), num_sms(q), batch_invariant, dt,
+                   kv_cache(k_cache, k_scale, v_scale), stream()),
                op);
+}
+
+// Batch-invariant prefill: each query token runs as the decode query at its position would (the
+// decode kernel's fixed splits, launchers.h), so its output depends neither on the batch, nor on
+// how the prompt was chunked, nor on whether prefill or decode computed it (a preempted
+// sequence's recompute). Each token becomes a one-token sequence: its sequence's block-table row
+// and the keys up to itself. Tokens run in groups so the split workspace stays under 64 MiB.
+void prefill_as_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+                       const at::Tensor& seq_lens_k, const at::Tensor& block_tables, double scale,
+                       DType dt, qwen3_kernels::KvCache kv) {
+  const char* op = "paged_attention_prefill";
+  const int64_t tq = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t nseq = cu_seqlens_q.size(0) - 1;
+  const at::Tensor ends = cu_seqlens_q.slice(0, 1, nseq + 1);       // [B] int32
+  const at::Tensor tok = at::arange(tq, cu_seqlens_q.options());    // [Tq] int32
+  const at::Tensor seq = at::searchsorted(ends, tok, /*out_int32=*/false, /*right=*/true);
+  // token t of sequence s sees keys 0 ..= seq_lens_k[s] - ends[s] + t
+  const at::Tensor lens =
+      (seq_lens_k.index_select(0, seq) - ends.index_select(0, seq) + tok + 1).to(at::kInt);
+  const at::Tensor tables = block_tables.index_select(0, seq);      // [Tq, max_blocks]
+  const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const int64_t max_ctx =
+      std::min<int64_t>(max_blocks * block_size, qwen3_kernels::kDecodeInvariantMaxKeys);
+  const int64_t splits = std::max<int64_t>(
+      1, (max_ctx + qwen3_kernels::kDecodeInvariantSplitKeys - 1) /
+             qwen3_kernels::kDecodeInvariantSplitKeys);
+  const int64_t per_token = hq * splits * (d + 1);  // floats
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(tq, (int64_t{64} << 20) / 4 / per_token));
+  at::Tensor ws = at::empty({group, hq, splits, d + 1}, q.options().dtype(at::kFloat));
+  const int64_t row = hq * d * q.element_size();  // bytes of one token's q / out
+  for (int64_t t0 = 0; t0 < tq; t0 += group) {
+    const int n = static_cast<int>(std::min(group, tq - t0));
+    check_launch(qwen3_kernels::paged_attention_decode(
+                     static_cast<char*>(out.data_ptr()) + t0 * row,
+                     static_cast<const char*>(q.data_ptr()) + t0 * row, k_cache.data_ptr(),
+                     v_cache.data_ptr(), tables.data_ptr<int32_t>() + t0 * max_blocks,
+                     lens.data_ptr<int32_t>() + t0, ws.data_ptr<float>(), n,
+                     static_cast<int>(hq), static_cast<int>(k_cache.size(2)), static_cast<int>(d),
+                     static_cast<int>(block_size), static_cast<int>(max_blocks),
+                     static_cast<int>(splits), static_cast<float>(scale), num_sms(q), true, dt, kv,
+                     stream()),
+                 op);
+  }
 }
 
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
                              int64_t max_seqlen_q, double scale, double k_scale,
-                             double v_scale) {
+                             double v_scale, bool batch_invariant) {
   const char* op = "paged_attention_prefill";
   const DType dt = half_dtype(q, op);
   const int64_t b = cu_seqlens_q.size(0) - 1;
   if (q.size(0) == 0 || b == 0 || max_seqlen_q == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
+  if (batch_invariant) {
+    prefill_as_decode(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, dt,
+                      kv_cache(k_cache, k_scale, v_scale));
+    return;
+  }
   check_launch(qwen3_kernels::paged_attention_prefill(
                    out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                    cu_seqlens_q.data_ptr<int32_t>(), seq_lens_k.data_ptr<int32_t>(),
@@ -156,24 +209,25 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
 
 // kernels/gemm/linear.cu picks the kernel from the shape; where it picks cuBLAS (or the GPU is
 // not sm_90) this runs at::mm_out: the same result, so the op works wherever the extension loads.
-void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+// batch_invariant: one CUTLASS configuration for every M (sm_90; linear.cu refuses elsewhere).
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, bool batch_invariant) {
   const char* op = "linear";
   const DType dt = half_dtype(x, op);
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  if (qwen3_kernels::linear_prefers_cublas(m, n, k)) {
+  if (qwen3_kernels::linear_prefers_cublas(m, n, k, batch_invariant)) {
     at::mm_out(out, x, weight.t());
     return;
   }
   // Stream-K partials where the chosen configuration needs them: from the caching allocator on
   // the current stream, so this stays CUDA-graph capturable.
-  const size_t ws_bytes = qwen3_kernels::linear_workspace_size(m, n, k, dt);
+  const size_t ws_bytes = qwen3_kernels::linear_workspace_size(m, n, k, batch_invariant, dt);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   check_launch(qwen3_kernels::linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), m, n, k,
-                                     ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes, dt,
-                                     stream()),
+                                     ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes,
+                                     batch_invariant, dt, stream()),
                op);
 }
 

@@ -11,6 +11,7 @@ import warnings as _warnings
 
 from . import reference
 from .ops import (
+    BATCH_INVARIANT_MAX_CONTEXT,
     MAX_DECODE_SPLITS,
     cuda_kernels_import_error,
     decode_workspace,
@@ -35,7 +36,7 @@ from .ops import (
 )
 
 __all__ = [
-    "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fp8_scales_buffer",
+    "BATCH_INVARIANT_MAX_CONTEXT", "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fp8_scales_buffer",
     "fused_add_rms_norm", "has_cuda_kernels", "linear", "linear_fp8", "linear_silu_and_mul",
     "paged_attention_decode", "paged_attention_prefill", "qk_norm_rope", "quantize_fp8",
     "reference", "rms_norm", "sample_tokens", "silu_and_mul", "tp_all_reduce",

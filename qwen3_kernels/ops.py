@@ -18,6 +18,13 @@ One contract per op, in this file:
     here and not in C++: the engine's host path. Checks in C++ ran on every launch, even for
     arguments the engine built itself from tensors it owns; in Python the engine's eager steps
     skip them (``trusted_inputs()``), while its tests and every other caller keep them.
+  - Batch invariance. ``batch_invariant=True`` (rms_norm, fused_add_rms_norm, linear,
+    paged_attention_decode / _prefill; the engine's deterministic mode) makes each output row a
+    function of its own inputs alone, bit for bit, whatever else shares the call: one launch
+    configuration for every batch (csrc/include/qwen3_kernels/launchers.h), and in the references
+    one row (one query) at a time. The other ops compute each row alone already. On CUDA it needs
+    the sm_90 kernels (a ValueError elsewhere) and contexts of at most
+    BATCH_INVARIANT_MAX_CONTEXT keys.
   - Index checks. The values inside the index tensors (positions, slot_mapping, block_tables,
     seq_lens, cu_seqlens_q, max_seqlen_q) and sample_tokens' temperatures are checked too, by
     ``index_checks`` (one fused check, one host sync per call): here before a CUDA kernel
@@ -40,9 +47,13 @@ from . import reference as ref
 # The schema of every op; the CUDA extension registers implementations for these names only.
 SCHEMAS = {
     "silu_and_mul": "silu_and_mul(Tensor! out, Tensor x) -> ()",
-    "rms_norm": "rms_norm(Tensor! out, Tensor x, Tensor weight, float eps) -> ()",
+    "rms_norm": (
+        "rms_norm(Tensor! out, Tensor x, Tensor weight, float eps, bool batch_invariant=False) "
+        "-> ()"
+    ),
     "fused_add_rms_norm": (
-        "fused_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps) -> ()"
+        "fused_add_rms_norm(Tensor! x, Tensor! residual, Tensor weight, float eps, "
+        "bool batch_invariant=False) -> ()"
     ),
     "qk_norm_rope": (
         "qk_norm_rope(Tensor! q_out, Tensor qkv, Tensor q_norm_weight, Tensor k_norm_weight, "
@@ -53,14 +64,14 @@ SCHEMAS = {
     "paged_attention_decode": (
         "paged_attention_decode(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, Tensor! workspace, float k_scale=1., "
-        "float v_scale=1.) -> ()"
+        "float v_scale=1., bool batch_invariant=False) -> ()"
     ),
     "paged_attention_prefill": (
         "paged_attention_prefill(Tensor! out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, "
-        "float scale, float k_scale=1., float v_scale=1.) -> ()"
+        "float scale, float k_scale=1., float v_scale=1., bool batch_invariant=False) -> ()"
     ),
-    "linear": "linear(Tensor! out, Tensor x, Tensor weight) -> ()",
+    "linear": "linear(Tensor! out, Tensor x, Tensor weight, bool batch_invariant=False) -> ()",
     "linear_silu_and_mul": "linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()",
     "quantize_fp8": "quantize_fp8(Tensor! out, Tensor! x_scales, Tensor x) -> ()",
     "linear_fp8": (
@@ -247,7 +258,8 @@ def _check_norm(op, x, weight, eps):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x [T, H], weight [H] -> out [T, H]. Rows of x and out may be strided."""
     op = "rms_norm"
@@ -259,12 +271,13 @@ def rms_norm(
     if checked:
         _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
         _check_shape(op, "out", out, x.shape)
-    _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight, float(eps))
+    _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight, float(eps), bool(batch_invariant))
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual += x; x = rms_norm(residual). x, residual [T, H]; weight [H]."""
     op = "fused_add_rms_norm"
@@ -273,7 +286,7 @@ def fused_add_rms_norm(
         _check_norm(op, x, weight, eps)
         _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
         _check_shape(op, "residual", residual, x.shape)
-    _run(op, x.dtype in _KERNEL_DTYPES, x, residual, weight, float(eps))
+    _run(op, x.dtype in _KERNEL_DTYPES, x, residual, weight, float(eps), bool(batch_invariant))
     return x, residual
 
 
@@ -412,6 +425,28 @@ def qk_norm_rope(
 # Split-KV decode keeps per-split partial outputs and log-sum-exps here: fp32
 # [B, Hq, MAX_DECODE_SPLITS, D + 1]. Allocate once per batch size and pass it in (CUDA graphs).
 MAX_DECODE_SPLITS = 64
+# batch_invariant decode / prefill: splits of a fixed 640 keys (launchers.h), at most
+# MAX_DECODE_SPLITS of them, so a sequence may hold at most this many keys
+BATCH_INVARIANT_SPLIT_KEYS = 640
+BATCH_INVARIANT_MAX_CONTEXT = MAX_DECODE_SPLITS * BATCH_INVARIANT_SPLIT_KEYS  # 40960
+
+
+def _check_invariant_context(op: str, name: str, lens: torch.Tensor):
+    """batch_invariant attention: every length within BATCH_INVARIANT_MAX_CONTEXT (one sync;
+    none while torch.compile traces or a CUDA graph is captured, as for the index checks)."""
+    if index_checks.skipped(lens):
+        return
+    if lens.numel() and int(lens.max()) > BATCH_INVARIANT_MAX_CONTEXT:
+        _fail(op, f"batch_invariant=True covers sequences of at most {BATCH_INVARIANT_MAX_CONTEXT} "
+                  f"keys, {name} holds {int(lens.max())}")
+
+
+def _check_invariant_kernel(op: str, t: torch.Tensor, kernel_ok: bool):
+    """batch_invariant on CUDA runs the sm_90 kernels (or the reference for what they do not
+    cover, e.g. fp32): on another GPU there is no batch-invariant kernel to run."""
+    if _HAS_CUDA_KERNELS and t.is_cuda and kernel_ok and _capability(t.device.index) != (9, 0):
+        _fail(op, f"batch_invariant=True needs a compute capability 9.0 GPU (Hopper) on CUDA, "
+                  f"got {_capability(t.device.index)} on {t.device}")
 
 
 def decode_workspace(batch: int, num_q_heads: int, head_dim: int, device) -> torch.Tensor:
@@ -431,6 +466,7 @@ def _check_attention_common(op, q, k_cache, v_cache, block_tables, nseq):
     if hq % hkv:
         _fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
     _check_tensor(op, "block_tables", block_tables, ndim=2, dtype=torch.int32, device=dev)
+    _check_contiguous(op, "block_tables", block_tables)  # the kernels step rows by max_blocks
     if block_tables.shape[0] != nseq:
         _fail(op, f"block_tables must have {nseq} rows (one per sequence), got {block_tables.shape[0]}")
 
@@ -447,6 +483,7 @@ def paged_attention_decode(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA, split-KV on CUDA).
 
@@ -458,6 +495,8 @@ def paged_attention_decode(
     workspace     [B, Hq, MAX_DECODE_SPLITS, D + 1] fp32 (``decode_workspace``), or None to allocate
     k_scale, v_scale  finite floats > 0, the ones qk_norm_rope wrote with; 1.0 for a cache in
                   q's dtype
+    batch_invariant  splits at fixed key positions: a row's output depends on its own sequence
+                  only, and equals paged_attention_prefill's (batch_invariant) for that query
     returns out   [B, Hq, D]
     """
     op = "paged_attention_decode"
@@ -482,11 +521,15 @@ def paged_attention_decode(
         _check_contiguous(op, "workspace", workspace)
         _check_shape(op, "workspace", workspace, (b, q.shape[1], MAX_DECODE_SPLITS, q.shape[2] + 1))
     kernel_ok = _kv_kernel_ok(q.dtype, q.shape[2], k_cache.dtype, q.device)
+    if batch_invariant:
+        _check_invariant_kernel(op, q, kernel_ok)
+        if checked:
+            _check_invariant_context(op, "seq_lens", seq_lens)
     if checked and _runs_kernel(q, kernel_ok):
         index_checks.paged_attention_decode(op, block_tables, seq_lens, k_cache.shape[0],
                                             k_cache.shape[1])
     _run(op, kernel_ok, out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), workspace,
-         float(k_scale), float(v_scale))
+         float(k_scale), float(v_scale), bool(batch_invariant))
     return out
 
 
@@ -503,6 +546,7 @@ def paged_attention_prefill(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Varlen causal attention over paged keys, queries aligned to the end of each key sequence.
 
@@ -514,6 +558,9 @@ def paged_attention_prefill(
     block_tables  [B, max_blocks] int32
     max_seqlen_q  the largest query count of any sequence (sizes the grid without a host sync)
     k_scale, v_scale  as in paged_attention_decode
+    batch_invariant  each query computed as paged_attention_decode (batch_invariant) computes the
+                  query at that position: independent of the batch, the chunking and the prefix
+                  cache (on CUDA it runs the decode kernel, one query a sequence)
     returns out   [Tq, Hq, D]
     """
     op = "paged_attention_prefill"
@@ -541,12 +588,16 @@ def paged_attention_prefill(
         _check_contiguous(op, "out", out)
         _check_shape(op, "out", out, q.shape)
     kernel_ok = _kv_kernel_ok(q.dtype, q.shape[2], k_cache.dtype, q.device)
+    if batch_invariant:
+        _check_invariant_kernel(op, q, kernel_ok)
+        if checked:
+            _check_invariant_context(op, "seq_lens_k", seq_lens_k)
     if checked and _runs_kernel(q, kernel_ok):
         index_checks.paged_attention_prefill(op, cu_seqlens_q, seq_lens_k, block_tables,
                                              q.shape[0], max_seqlen_q, k_cache.shape[0],
                                              k_cache.shape[1])
     _run(op, kernel_ok, out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
-         int(max_seqlen_q), float(scale), float(k_scale), float(v_scale))
+         int(max_seqlen_q), float(scale), float(k_scale), float(v_scale), bool(batch_invariant))
     return out
 
 
@@ -590,11 +641,18 @@ def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T -> out [T, N]; K and N multiples of 8."""
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> out [T, N]; K and N multiples of 8.
+
+    batch_invariant: each row's sums in an order that does not depend on T (on CUDA one CUTLASS
+    configuration for every T, sm_90 only; slower than the default choice at small T)."""
     op = "linear"
     out = _gemm_out(op, x, weight, out, "N", lambda n: n)
-    _run(op, x.dtype in _KERNEL_DTYPES, out, x, weight)
+    kernel_ok = x.dtype in _KERNEL_DTYPES
+    if batch_invariant:
+        _check_invariant_kernel(op, x, kernel_ok)
+    _run(op, kernel_ok, out, x, weight, bool(batch_invariant))
     return out
 
 
@@ -875,11 +933,11 @@ def _ref_silu_and_mul(out, x):
     out.copy_(ref.silu_and_mul(x))
 
 
-def _ref_rms_norm(out, x, weight, eps):
+def _ref_rms_norm(out, x, weight, eps, batch_invariant=False):  # per row already
     out.copy_(ref.rms_norm(x, weight, eps))
 
 
-def _ref_fused_add_rms_norm(x, residual, weight, eps):
+def _ref_fused_add_rms_norm(x, residual, weight, eps, batch_invariant=False):
     normed, new_res = ref.fused_add_rms_norm(x, residual, weight, eps)
     residual.copy_(new_res)
     x.copy_(normed)
@@ -894,19 +952,20 @@ def _ref_qk_norm_rope(q_out, qkv, qw, kw, cos_sin, positions, k_cache, v_cache, 
 
 
 def _ref_paged_attention_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, workspace,
-                                k_scale=1.0, v_scale=1.0):
+                                k_scale=1.0, v_scale=1.0, batch_invariant=False):
     out.copy_(ref.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                         k_scale, v_scale))
+                                         k_scale, v_scale, batch_invariant=batch_invariant))
 
 
 def _ref_paged_attention_prefill(out, q, k_cache, v_cache, cu_q, lens_k, block_tables, max_q, scale,
-                                 k_scale=1.0, v_scale=1.0):
+                                 k_scale=1.0, v_scale=1.0, batch_invariant=False):
     out.copy_(ref.paged_attention_prefill(q, k_cache, v_cache, cu_q, lens_k, block_tables, scale,
-                                          max_seqlen_q=max_q, k_scale=k_scale, v_scale=v_scale))
+                                          max_seqlen_q=max_q, k_scale=k_scale, v_scale=v_scale,
+                                          batch_invariant=batch_invariant))
 
 
-def _ref_linear(out, x, weight):
-    out.copy_(ref.linear(x, weight))
+def _ref_linear(out, x, weight, batch_invariant=False):
+    out.copy_(ref.linear(x, weight, batch_invariant=batch_invariant))
 
 
 def _ref_linear_silu_and_mul(out, x, weight):

@@ -201,6 +201,28 @@ def _attention_one(
     return torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(0, 1)
 
 
+def _attention_invariant(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``_attention_one`` one query at a time over exactly the keys it sees (copied out): a
+    query's output depends only on its own position's q, k, v, not on the chunk it came in
+    (decode, a whole prompt, or a chunk after cached blocks). The batched [Lq, Lk] matmuls and
+    the masked softmax over all Lk keys of ``_attention_one`` round differently as Lq, Lk vary."""
+    lq, hq, _ = q.shape
+    lk, hkv, _ = k.shape
+    group = hq // hkv
+    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, Lk, D]
+    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    rows = []
+    for i in range(lq):
+        n = lk - lq + i + 1  # keys 0 .. position
+        qi = q[i].float().unsqueeze(1).clone()  # [Hq, 1, D]
+        ki, vi = kf[:, :n].clone(), vf[:, :n].clone()
+        probs = torch.softmax(torch.matmul(qi, ki.transpose(1, 2)) * scale, dim=-1)
+        rows.append(torch.matmul(probs, vi).transpose(0, 1))  # [1, Hq, D]
+    return torch.cat(rows)
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -210,6 +232,7 @@ def paged_attention_decode(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """One new query token per sequence over its whole paged context (GQA).
 
@@ -219,16 +242,19 @@ def paged_attention_decode(
     seq_lens      [B] int32 (>= 1): keys 0 .. seq_lens[b]-1, the new token's included
     k_scale, v_scale  an fp8 cache's K / V read as ``dequantize_kv`` (fp32), then the same fp32
                       attention; 1.0 for a cache in q's dtype
+    batch_invariant   each query alone over exactly its keys (``_attention_invariant``): equal,
+                      bit for bit, to paged_attention_prefill's for the query at that position
     returns       [B, Hq, D]
     """
     index_checks.paged_attention_decode("paged_attention_decode", block_tables, seq_lens,
                                         k_cache.shape[0], k_cache.shape[1])
     out = torch.empty_like(q)
     lens = seq_lens.tolist()
+    attend = _attention_invariant if batch_invariant else _attention_one
     for b, n in enumerate(lens):
         k = dequantize_kv(_gather_kv(k_cache, block_tables[b], n), k_scale)
         v = dequantize_kv(_gather_kv(v_cache, block_tables[b], n), v_scale)
-        out[b] = _attention_one(q[b : b + 1], k, v, scale)[0].to(q.dtype)
+        out[b] = attend(q[b : b + 1], k, v, scale)[0].to(q.dtype)
     return out
 
 
@@ -243,6 +269,7 @@ def paged_attention_prefill(
     max_seqlen_q: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Varlen causal attention of new query tokens over paged keys (cached prefix + chunk).
 
@@ -251,7 +278,7 @@ def paged_attention_prefill(
     seq_lens_k    [B] int32     keys per sequence (>= its query count): prefix + this chunk
     block_tables  [B, max_blocks] int32
     max_seqlen_q  the op's grid size (not used here), checked to cover every query count if given
-    k_cache, v_cache, k_scale, v_scale  as in ``paged_attention_decode`` (fp8: dequantized)
+    k_cache, v_cache, k_scale, v_scale, batch_invariant  as in ``paged_attention_decode``
     returns       [Tq, Hq, D]
     """
     index_checks.paged_attention_prefill(
@@ -260,18 +287,24 @@ def paged_attention_prefill(
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens_k.tolist()
+    attend = _attention_invariant if batch_invariant else _attention_one
     for b, n in enumerate(lens):
         s, e = cu[b], cu[b + 1]
         if e == s:
             continue
         k = dequantize_kv(_gather_kv(k_cache, block_tables[b], n), k_scale)
         v = dequantize_kv(_gather_kv(v_cache, block_tables[b], n), v_scale)
-        out[s:e] = _attention_one(q[s:e], k, v, scale).to(q.dtype)
+        out[s:e] = attend(q[s:e], k, v, scale).to(q.dtype)
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T -> [T, N], fp32 accumulate."""
+def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T -> [T, N], fp32 accumulate. batch_invariant: one row at a time,
+    each a fresh [1, K] matmul (a BLAS GEMM rounds a row differently at different T)."""
+    if batch_invariant and x.dim() == 2 and x.shape[0] > 1:
+        w = weight.float().t()
+        return torch.cat([torch.matmul(x[i : i + 1].float().clone(), w)
+                          for i in range(x.shape[0])]).to(x.dtype)
     return torch.matmul(x.float(), weight.float().t()).to(x.dtype)
 
 

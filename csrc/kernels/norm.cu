@@ -15,7 +15,8 @@
 // sm_90 so the CTAs are scheduled while the previous kernel drains (H200: rms_norm T=64 1.95 us
 // vs 2.67 without; fused_add_rms_norm T=64 1.99 vs 2.52; python benchmarks/bench_elementwise.py).
 // At T >= kSmallT the fewest threads that hold the row in kMaxVecs vectors each (measured 1.07x /
-// 1.24x torch.compile). Variants no shape picks (2 vectors per thread, Inductor's shape for
+// 1.24x torch.compile). batch_invariant (the deterministic mode) takes the T < kSmallT launch at
+// every T: the block's sum runs over the same threads in the same order whatever T is. Variants no shape picks (2 vectors per thread, Inductor's shape for
 // H = 4096; one row split over a cluster of 2/4/8 CTAs on sm_90) are kept on branch
 // experiment/kernel-launch-variants.
 #include <algorithm>
@@ -126,7 +127,8 @@ __global__ void rms_norm_scalar_kernel(T* __restrict__ out, T* __restrict__ resi
 template <bool kAdd>
 cudaError_t launch(void* out, void* residual, const void* x, const void* weight,
                    int64_t num_tokens, int64_t hidden, int64_t out_stride, int64_t residual_stride,
-                   int64_t x_stride, float eps, DType dtype, cudaStream_t stream) {
+                   int64_t x_stride, float eps, bool batch_invariant, DType dtype,
+                   cudaStream_t stream) {
   if (num_tokens == 0 || hidden == 0) return cudaSuccess;
   const int64_t nvec = hidden / 8;
   bool vec = hidden % 8 == 0 && out_stride % 8 == 0 && x_stride % 8 == 0 && aligned16(out) &&
@@ -143,7 +145,7 @@ cudaError_t launch(void* out, void* residual, const void* x, const void* weight,
                                                                  residual_stride, x_stride, eps);
       return cudaGetLastError();
     }
-    if (num_tokens >= kSmallT) {
+    if (num_tokens >= kSmallT && !batch_invariant) {
       // Fewest threads that hold the row in kMaxVecs vectors each, rounded to whole warps; at
       // least 64 threads so small rows still have a few warps of loads in flight.
       int threads = static_cast<int>((nvec + kMaxVecs - 1) / kMaxVecs);
@@ -176,18 +178,18 @@ cudaError_t launch(void* out, void* residual, const void* x, const void* weight,
 }  // namespace
 
 cudaError_t rms_norm(void* out, const void* x, const void* weight, int64_t num_tokens,
-                     int64_t hidden, int64_t out_stride, int64_t x_stride, float eps, DType dtype,
-                     cudaStream_t stream) {
+                     int64_t hidden, int64_t out_stride, int64_t x_stride, float eps,
+                     bool batch_invariant, DType dtype, cudaStream_t stream) {
   return launch<false>(out, nullptr, x, weight, num_tokens, hidden, out_stride, 0, x_stride, eps,
-                       dtype, stream);
+                       batch_invariant, dtype, stream);
 }
 
 cudaError_t fused_add_rms_norm(void* x, void* residual, const void* weight, int64_t num_tokens,
                                int64_t hidden, int64_t x_stride, int64_t residual_stride,
-                               float eps, DType dtype, cudaStream_t stream) {
+                               float eps, bool batch_invariant, DType dtype, cudaStream_t stream) {
   // x is both the input and the output: each thread reads its vectors before it writes them.
   return launch<true>(x, residual, x, weight, num_tokens, hidden, x_stride, residual_stride,
-                      x_stride, eps, dtype, stream);
+                      x_stride, eps, batch_invariant, dtype, stream);
 }
 
 }  // namespace qwen3_kernels

@@ -29,21 +29,29 @@ cudaError_t silu_and_mul(void* out,            // [T, I], row stride out_stride 
                          int64_t num_tokens, int64_t intermediate, int64_t out_stride,
                          int64_t x_stride, DType dtype, cudaStream_t stream);
 
+// ---- batch invariance -------------------------------------------------------------------------
+// batch_invariant (the engine's deterministic mode): the launch is the same for every batch, so
+// each output row is a function of its own inputs alone, bit for bit, whatever T or B is (norm.cu,
+// decode.cu, linear.cu; prefill runs every query token as decode would, torch_bindings.cpp).
+// Decode's splits then cover this many keys each, from key 0, and there are at most 64 of them.
+constexpr int kDecodeInvariantSplitKeys = 640;
+constexpr int kDecodeInvariantMaxKeys = 64 * kDecodeInvariantSplitKeys;  // 40960
+
 // ---- norm.cu --------------------------------------------------------------------------------
 // out = x * rsqrt(mean(x^2) + eps) * weight, per row
 cudaError_t rms_norm(void* out,               // [T, H], row stride out_stride
                      const void* x,           // [T, H], row stride x_stride
                      const void* weight,      // [H]
                      int64_t num_tokens, int64_t hidden, int64_t out_stride, int64_t x_stride,
-                     float eps, DType dtype, cudaStream_t stream);
+                     float eps, bool batch_invariant, DType dtype, cudaStream_t stream);
 
 // residual = x + residual; x = rms_norm(residual) (in place, both)
 cudaError_t fused_add_rms_norm(void* x,          // [T, H], row stride x_stride
                                void* residual,   // [T, H], row stride residual_stride
                                const void* weight,  // [H]
                                int64_t num_tokens, int64_t hidden, int64_t x_stride,
-                               int64_t residual_stride, float eps, DType dtype,
-                               cudaStream_t stream);
+                               int64_t residual_stride, float eps, bool batch_invariant,
+                               DType dtype, cudaStream_t stream);
 
 // ---- qk_norm_rope.cu --------------------------------------------------------------------------
 // Per-head RMSNorm of q and k heads, neox RoPE, K/V written to the paged cache. head_dim == 128.
@@ -73,7 +81,8 @@ cudaError_t paged_attention_decode(void* out,                    // [B, Hq, D]
                                    float* workspace,             // [B, Hq, max_splits, D + 1]
                                    int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int max_splits, float scale,
-                                   int num_sms, DType dtype, KvCache kv, cudaStream_t stream);
+                                   int num_sms, bool batch_invariant, DType dtype, KvCache kv,
+                                   cudaStream_t stream);
 
 // Prefill: varlen causal, queries aligned to the end of each key sequence.
 cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
@@ -94,15 +103,18 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
 // table on the Qwen3 QKV shapes, cuBLAS elsewhere and on any GPU but sm_90).
 // Whether that choice is cuBLAS: the caller then runs cuBLAS itself; linear() would return
 // cudaErrorNotSupported.
-bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k);
+// batch_invariant: one CUTLASS configuration without K splits for every M (sm_90 only: elsewhere
+// linear() returns cudaErrorNotSupported and linear_prefers_cublas false).
+bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k, bool batch_invariant);
 // Bytes of workspace the chosen configuration needs (0 for many; stream-K partials otherwise).
-size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype);
+size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, bool batch_invariant, DType dtype);
 cudaError_t linear(void* out,        // [M, N]
                    const void* x,    // [M, K]
                    const void* w,    // [N, K]
                    int64_t m, int64_t n, int64_t k,
-                   void* workspace,  // linear_workspace_size(m, n, k, dtype) bytes, any content
-                   size_t workspace_bytes, DType dtype, cudaStream_t stream);
+                   void* workspace,  // linear_workspace_size(m, n, k, ...) bytes, any content
+                   size_t workspace_bytes, bool batch_invariant, DType dtype,
+                   cudaStream_t stream);
 
 // out[1, I] = silu(g) * u where [g | u] = x[1, K] @ w[2I, K]^T, each rounded to the dtype (the
 // MLP's gate_up projection and its activation at one token in one pass over the weight, nothing

@@ -96,6 +96,7 @@
 // Not checked on the device (no bound is passed, and a check would need a host sync): block_tables
 // entries must be < num_blocks. seq_lens are clamped to [0, max_blocks * block_size]; a sequence of
 // length 0 gets a zero output.
+#include <algorithm>
 #include <type_traits>
 
 #include "qwen3_kernels/common.cuh"
@@ -114,6 +115,7 @@ constexpr int kStageElems = 2 * kTileElems;     // K tile then V tile
 constexpr int kMergeStride = kHeadDim + 8;      // padded fp32 row: conflict-free float2 stores
 constexpr int kMaxSplits = 64;                  // combine kernels hold one weight per split
 constexpr int kCombineThreads = 128;            // one thread per dim
+constexpr int kInvariantSplitTiles = kDecodeInvariantSplitKeys / 16;  // tiles of a fixed split
 static_assert(kTileElems * 2 / 16 == 8 * 32, "a tile is 8 16-byte chunks per lane");
 static_assert(kCombineThreads == kHeadDim, "the combine gives each thread one dim");
 
@@ -157,8 +159,11 @@ struct DecodeParams {
   float* ws_lse;                // [B, Hq, max_splits] log2-sum-exp of each partial (scaled logits)
   int num_q_heads, num_kv_heads, group, head_chunks;
   int block_size, max_blocks, num_splits, max_splits;
-  int chunk_tiles;              // the launched shape's kChunkTiles: a sequence of at most this many
-                                // tiles is read by split 0 alone (see "alone" in the main kernel)
+  int chunk_tiles;              // a sequence of at most this many tiles is read by split 0 alone
+                                // (see "alone" in the main kernel): the launched shape's
+                                // kChunkTiles, or split_tiles when that is set
+  int split_tiles;              // > 0: every split covers this many tiles at fixed positions (the
+                                // batch-invariant launch); 0: the count follows num_splits
   int ctx_cap;                  // min(max_blocks * block_size, 2^30): seq_lens are clamped to it
   int interleave;               // 1: split s takes chunks s, s + num_splits, ... (else contiguous)
   int pdl;                      // 1: launched with PDL; wait for the previous grid first
@@ -243,7 +248,9 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
       }
     }
   } else {
-    const int per_split = max((n_tiles + p.num_splits - 1) / p.num_splits, kChunkTiles);
+    const int per_split = p.split_tiles > 0
+                              ? p.split_tiles
+                              : max((n_tiles + p.num_splits - 1) / p.num_splits, kChunkTiles);
     tile_begin = kSplit ? min(split * per_split, n_tiles) : 0;
     const int tile_end = min(tile_begin + per_split, n_tiles);
     empty = tile_begin == tile_end;
@@ -254,7 +261,7 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   // writes the final output itself and the combine skips the sequence (it finds the same
   // condition), so a short context pays neither the partials' round trip nor the combine's.
   // (Qwen3-8B batch 1 at 384 tokens: the combine cost ~2 us a layer, 1.7% of the step.)
-  const bool alone = kSplit && n_tiles <= kChunkTiles;
+  const bool alone = kSplit && n_tiles <= p.chunk_tiles;
   if (alone && split > 0) return;
   if (kSplit && empty && !alone) {  // nothing to read: an empty partial, skipped by the combine
     if (threadIdx.x < rows) {
@@ -686,6 +693,7 @@ int choose_num_splits(int base_ctas, int max_ctx, int slots, int max_splits, int
 // What the launch does besides the kernel shape (see "The launch" in the header).
 struct LaunchChoice {
   bool split_shape;   // SplitShape (w8s3c1) rather than BatchShape (w4s3)
+  bool invariant;     // splits of kInvariantSplitTiles tiles at fixed positions (batch-invariant)
   bool interleave;    // splits take interleaved chunks (else contiguous ranges)
   bool fast_combine;  // the one-round-trip combine kernel (else the looping one)
   bool pdl;           // the main kernel waits on the previous one under PDL (where the GPU has it)
@@ -695,10 +703,16 @@ struct LaunchChoice {
 // CTAs fill every SM without splits: w4s3 with no flags; otherwise w8s3c1 with interleaved splits,
 // the fast combine and PDL (measurements in the header). On a GPU where w8s3c1 does not fit, the
 // same flags on w4s3.
-LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms) {
+//
+// Batch-invariant: one launch for every batch, so a row's result depends on its own sequence only:
+// w8s3c1 (w4s3 where it does not fit), contiguous splits of kInvariantSplitTiles tiles from key 0
+// (as many splits as the context bound needs; those past a sequence's end are empty and weigh
+// nothing in the combine), split 0 writing a sequence that fits in one split, the fast combine.
+LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms, bool batch_invariant) {
+  if (batch_invariant) return LaunchChoice{split_shape_fits(), true, false, true, true};
   const bool fills_gpu = int64_t{batch} * kv_ctas >= num_sms;
-  if (fills_gpu) return LaunchChoice{false, false, false, false};
-  return LaunchChoice{split_shape_fits(), true, true, true};
+  if (fills_gpu) return LaunchChoice{false, false, false, false, false};
+  return LaunchChoice{split_shape_fits(), false, true, true, true};
 }
 
 // cudaLaunchKernelEx with the PDL attribute when asked for (and the device has it).
@@ -722,13 +736,20 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
   if (err != cudaSuccess) return err;
 
   const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
-  p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
-                                   S::kChunkTiles);
-  p.chunk_tiles = S::kChunkTiles;
+  if (c.invariant) {
+    const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
+    p.num_splits = std::max(1, (ctx_tiles + kInvariantSplitTiles - 1) / kInvariantSplitTiles);
+    if (p.num_splits > p.max_splits || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+    p.split_tiles = p.chunk_tiles = kInvariantSplitTiles;
+  } else {
+    p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
+                                     S::kChunkTiles);
+    p.chunk_tiles = S::kChunkTiles;
+  }
   p.interleave = c.interleave ? 1 : 0;
   p.pdl = c.pdl && has_pdl ? 1 : 0;
   const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
-  if (p.num_splits == 1) {
+  if (p.num_splits == 1 && !c.invariant) {
     if (p.pdl)
       return launch_pdl(paged_decode_kernel<T, KV, false, S>, grid, S::kThreads, kSmem, true,
                         stream, p);
@@ -757,7 +778,8 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
                                    const int32_t* seq_lens, float* workspace, int batch,
                                    int num_q_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int max_splits, float scale,
-                                   int num_sms, DType dtype, KvCache kv, cudaStream_t stream) {
+                                   int num_sms, bool batch_invariant, DType dtype, KvCache kv,
+                                   cudaStream_t stream) {
   if (head_dim != kHeadDim || block_size < kTileKeys || block_size % kTileKeys != 0 ||
       num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0 || max_splits < 1 ||
       max_blocks < 1 || num_sms < 1 || batch < 0 || batch > 65535 ||
@@ -784,10 +806,13 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   p.scale_log2 = scale * kv.k_scale * 1.4426950408889634f;
   p.v_scale = kv.v_scale;
   const int64_t max_ctx64 = static_cast<int64_t>(max_blocks) * block_size;
-  const int max_ctx = max_ctx64 > (1 << 30) ? (1 << 30) : static_cast<int>(max_ctx64);
+  // (batch-invariant: at most 64 fixed splits; ops.py refuses longer sequences in that mode)
+  const int64_t ctx_limit = batch_invariant ? kDecodeInvariantMaxKeys : (1 << 30);
+  const int max_ctx = static_cast<int>(max_ctx64 > ctx_limit ? ctx_limit : max_ctx64);
   p.ctx_cap = max_ctx;
   if (num_kv_heads * p.head_chunks > 65535) return cudaErrorInvalidValue;
-  const LaunchChoice c = choose_launch(batch, num_kv_heads * p.head_chunks, num_sms);
+  const LaunchChoice c = choose_launch(batch, num_kv_heads * p.head_chunks, num_sms,
+                                       batch_invariant);
   auto run = [&](auto t_tag, auto kv_tag) {
     using T = decltype(t_tag);
     using KV = decltype(kv_tag);

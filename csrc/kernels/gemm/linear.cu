@@ -2,6 +2,14 @@
 // that picks the kernel of a projection: the GEMV, a CUTLASS / hand-written configuration, or
 // cuBLAS (run by the binding, at::mm_out), from the shape (choose() below).
 //
+// batch_invariant (the deterministic mode): CUTLASS tiles run data-parallel only (each output
+// tile's whole K loop in one CTA, k16 wgmma steps in order from k = 0, no split-K or stream-K), so
+// an output's sum is the same chain of the same instruction whatever M is: the 128x32 tile up to
+// kInvariantSmallM tokens (N / 32 CTAs stream the weight of a decode step), the 128x128 tile
+// above. The two tiles run the same wgmma k-steps on each output and give the same bits
+// (tests/test_batch_invariant_ops.py checks it at every shape). sm_90 only; elsewhere the
+// launcher refuses (cuBLAS picks its kernel, split-K included, by M).
+//
 // The rule (Hopper, sm_90; any other GPU runs cuBLAS):
 //   - M == 1: the weight-streaming GEMV (linear_gemv.cu) for every shape. bench_linear.py's gemv
 //     rows (H200): 1.02-1.61x cuBLAS and 1.12-1.29x split-K on every Qwen3 QKV shape (8B: 14.7
@@ -41,8 +49,9 @@ namespace linear_detail {
 namespace {
 
 enum class Config {
-  kGemv, kSplitK, kTile128x128, kTile128x256,
-  kCublas  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
+  kGemv, kSplitK, kTile128x128, kTile128x256, kTile128x32,
+  kCublas,  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
+  kUnsupported  // batch-invariant on a GPU without the sm_90 kernels
 };
 
 struct Choice {
@@ -90,9 +99,15 @@ constexpr Row kTable[] = {
                {t256(DP),  CB,        CB,        t256(SK),  CB,        CB}},
 };
 
+constexpr int64_t kInvariantSmallM = 128;
+constexpr Choice kInvariantSmall = {Config::kTile128x32, DP, 0};
+constexpr Choice kInvariant = t128(DP);
+constexpr Choice kUnsupported = {Config::kUnsupported, H, 0};
+
 // The rule at the top of the file. cc: the device's compute capability (major * 10 + minor).
-Choice choose(int64_t m, int64_t n, int64_t k, int cc) {
-  if (cc != 90) return CB;  // sm_90a code (wgmma, TMA, clusters) runs on 9.0 exactly
+Choice choose(int64_t m, int64_t n, int64_t k, int cc, bool batch_invariant) {
+  if (cc != 90) return batch_invariant ? kUnsupported : CB;  // sm_90a code runs on 9.0 exactly
+  if (batch_invariant) return m <= kInvariantSmallM ? kInvariantSmall : kInvariant;
   if (m == 1) return GEMV;
   for (int col = 0; col < kQkvShapes; ++col) {
     if (kQkv[col].n != n || kQkv[col].k != k) continue;
@@ -109,15 +124,17 @@ int compute_capability() {
 }
 
 // Fills everything but the buffers.
-cudaError_t make_problem(int64_t m, int64_t n, int64_t k, Problem& p, Choice& c) {
+cudaError_t make_problem(int64_t m, int64_t n, int64_t k, bool batch_invariant, Problem& p,
+                         Choice& c) {
   if (m < 1 || n < 8 || k < 8 || n % 8 != 0 || k % 8 != 0 ||
       m > std::numeric_limits<int>::max() || n > std::numeric_limits<int>::max() ||
       k > std::numeric_limits<int>::max()) {
     return cudaErrorInvalidValue;
   }
   const DeviceInfo d = current_device_info();
-  c = choose(m, n, k, d.cc_major * 10 + d.cc_minor);
-  if (c.config == Config::kCublas) return cudaErrorNotSupported;
+  c = choose(m, n, k, d.cc_major * 10 + d.cc_minor, batch_invariant);
+  if (c.config == Config::kCublas || c.config == Config::kUnsupported)
+    return cudaErrorNotSupported;
   int device = 0;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -138,6 +155,8 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x128_bf16_workspace(p) : sm90_tile_128x128_fp16_workspace(p);
     case Config::kTile128x256:
       return bf16 ? sm90_tile_128x256_bf16_workspace(p) : sm90_tile_128x256_fp16_workspace(p);
+    case Config::kTile128x32:
+      return bf16 ? sm90_tile_128x32_bf16_workspace(p) : sm90_tile_128x32_fp16_workspace(p);
     default:
       return 0;
   }
@@ -153,7 +172,10 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x128_bf16(p) : sm90_tile_128x128_fp16(p);
     case Config::kTile128x256:
       return bf16 ? sm90_tile_128x256_bf16(p) : sm90_tile_128x256_fp16(p);
+    case Config::kTile128x32:
+      return bf16 ? sm90_tile_128x32_bf16(p) : sm90_tile_128x32_fp16(p);
     case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
+    case Config::kUnsupported:
       return cudaErrorNotSupported;
   }
   return cudaErrorNotSupported;
@@ -162,23 +184,25 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
 }  // namespace
 }  // namespace linear_detail
 
-bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k) {
-  return linear_detail::choose(m, n, k, linear_detail::compute_capability()).config ==
-         linear_detail::Config::kCublas;
+bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k, bool batch_invariant) {
+  return linear_detail::choose(m, n, k, linear_detail::compute_capability(), batch_invariant)
+             .config == linear_detail::Config::kCublas;
 }
 
-size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, DType dtype) {
+size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, bool batch_invariant,
+                             DType dtype) {
   linear_detail::Problem p;
   linear_detail::Choice c;
-  if (linear_detail::make_problem(m, n, k, p, c) != cudaSuccess) return 0;
+  if (linear_detail::make_problem(m, n, k, batch_invariant, p, c) != cudaSuccess) return 0;
   return linear_detail::cutlass_workspace(c.config, dtype == DType::kBFloat16, p);
 }
 
 cudaError_t linear(void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k,
-                   void* workspace, size_t workspace_bytes, DType dtype, cudaStream_t stream) {
+                   void* workspace, size_t workspace_bytes, bool batch_invariant, DType dtype,
+                   cudaStream_t stream) {
   linear_detail::Problem p;
   linear_detail::Choice c;
-  cudaError_t err = linear_detail::make_problem(m, n, k, p, c);
+  cudaError_t err = linear_detail::make_problem(m, n, k, batch_invariant, p, c);
   if (err != cudaSuccess) return err;
   // TMA and the 16-byte loads need 16-byte aligned bases (rows are, since K, N % 8 == 0).
   for (const void* ptr : {static_cast<const void*>(out), x, w}) {

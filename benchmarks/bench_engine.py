@@ -179,7 +179,7 @@ def make_llm(path: str, args, dummy: bool) -> LLM:
               scheduling_policy=args.scheduling_policy,
               max_piecewise_graph_tokens=args.max_piecewise_graph_tokens,
               overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
     if dummy:
         kw["load_format"] = "dummy"
     start = time.perf_counter()
@@ -502,6 +502,8 @@ def main(argv=None):
                    help="--size's random checkpoint in Qwen3-*-FP8's format (fp8) or not")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache element type: the model's dtype (auto) or float8 e4m3 (fp8)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the batch-invariant mode (LLM's deterministic)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -655,7 +657,7 @@ def engine_row(result: dict, args) -> dict:
                     overlap_steps=not args.no_overlap_steps, tp_all_reduce=args.tp_all_reduce,
                     tensor_parallel_size=args.tensor_parallel_size,
                     enforce_eager=args.enforce_eager, block_size=args.block_size,
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic)
     row = dict(workload=workload, mode=result["mode"], model=result["model"],
                size=None if args.model else args.size, settings=settings,
                output_tok_s=result.get("e2e_tok_s") if batch1 else result.get("tok_s"),
@@ -690,8 +692,8 @@ def write_engine_row(row: dict, results_dir=None, argv=None) -> Path:
             rows = []
 
     def key(r):
-        # rows from before --kv-cache-dtype ran a cache in the model's dtype: the same setting
-        settings = {"kv_cache_dtype": "auto", **(r.get("settings") or {})}
+        # rows from before --kv-cache-dtype / --deterministic ran their defaults: the same setting
+        settings = {"kv_cache_dtype": "auto", "deterministic": False, **(r.get("settings") or {})}
         return (r.get("workload"), r.get("model"), json.dumps(settings, sort_keys=True))
 
     rows = [r for r in rows if key(r) != key(row)] + [row]

@@ -35,7 +35,7 @@ ORDER = ["bench_elementwise", "bench_qk_norm_rope", "bench_attention_decode",
 ENGINE_DEFAULTS = dict(scheduling_policy="fcfs", max_num_seqs=512, max_num_batched_tokens=16384,
                        max_piecewise_graph_tokens=512, overlap_steps=True, tp_all_reduce="auto",
                        tensor_parallel_size=1, enforce_eager=False, block_size=256,
-                       quantization="none", kv_cache_dtype="auto")
+                       quantization="none", kv_cache_dtype="auto", deterministic=False)
 
 HEADER = f"""# Benchmark results
 
@@ -261,9 +261,10 @@ def readme_rows(docs: dict[str, dict]) -> list[str]:
             if bench == "before_after":
                 continue
             if bench == "bench_engine":
-                # README keeps the weights / KV formats at their defaults (FP8 weights come with
-                # the checkpoint); every other variant is in RESULTS.md.
-                if (r.get("settings") or {}).get("kv_cache_dtype", "auto") != "auto":
+                # README keeps the weights / KV formats and the mode at their defaults (FP8
+                # weights come with the checkpoint); every other variant is in RESULTS.md.
+                st = r.get("settings") or {}
+                if st.get("kv_cache_dtype", "auto") != "auto" or st.get("deterministic"):
                     continue
                 ours = f"{r['output_tok_s']:,.0f} tok/s" if r.get("output_tok_s") else ""
                 if r.get("mode") == "batch1" and r.get("decode_tok_s"):

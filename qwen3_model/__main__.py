@@ -136,6 +136,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-overlap-steps", action="store_true",
                    help="read every step's tokens before scheduling the next (no host / device "
                         "overlap; same tokens)")
+    e.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant mode: a request's tokens and logprobs do not depend on "
+                        "what else runs (one GPU, bf16 / fp16, Hopper on CUDA; slower)")
     e.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights from config.json alone (benchmarks at real shapes)")
 
@@ -174,6 +177,7 @@ def engine_kwargs(args) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         tp_all_reduce=args.tp_all_reduce,
         overlap_steps=not args.no_overlap_steps,
+        deterministic=args.deterministic,
         load_format=args.load_format,
     )
 

@@ -17,6 +17,9 @@ SCHEDULING_POLICIES = ("fcfs", "longest_first")
 PIECEWISE_BUCKET = 32  # token-count step of the piecewise graphs (max_piecewise_graph_tokens)
 TP_ALL_REDUCE_CHOICES = ("auto", "custom", "nccl")
 KV_CACHE_DTYPES = ("auto", "fp8")  # Config.kv_cache_dtype
+# Config.deterministic: the longest sequence (qwen3_kernels.BATCH_INVARIANT_MAX_CONTEXT, spelled
+# out so that importing the config does not load the kernels)
+BATCH_INVARIANT_MAX_CONTEXT = 40960
 
 
 @dataclass(slots=True)
@@ -68,6 +71,14 @@ class Config:
     # tensor parallel: a step that a worker has not answered for this many seconds fails, naming
     # the worker, and every process is stopped (a worker alive but stuck, e.g. SIGSTOPped)
     tp_step_timeout: float = 30.0
+    # True: the deterministic (batch-invariant) mode. A request's tokens and logprobs are then
+    # bit-identical whatever else runs with it: alone or in any batch, however its prompt is
+    # chunked, with its prefix from the prefix cache or not, after preemption and recompute, with
+    # CUDA graphs or eager, run after run (same build, GPU model, dtype and settings). Every
+    # kernel with a choice takes one configuration for every batch (qwen3_kernels.ops, "Batch
+    # invariance"); costs speed (README). One GPU (tensor_parallel_size=1), bf16 / fp16
+    # checkpoints (not FP8), max_model_len <= 40960; on CUDA a Hopper GPU (compute capability 9.0)
+    deterministic: bool = False
     # filled in __post_init__
     hf_config: object = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
@@ -121,6 +132,13 @@ class Config:
             bad("tp_all_reduce", f"one of {TP_ALL_REDUCE_CHOICES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        if not isinstance(self.deterministic, bool):
+            bad("deterministic", "True or False")
+        if self.deterministic and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"LLM: deterministic=True runs on one GPU (tensor_parallel_size=1), got "
+                f"tensor_parallel_size={self.tensor_parallel_size}: the all-reduce's summation is "
+                "not batch-invariant")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", "'auto' or 'dummy'")
         if self.device == "auto":
@@ -144,12 +162,21 @@ class Config:
         raw = read_config(self.model)  # sizes checked for sign and range
         max_position = config_fields(raw, "config.json")["max_position_embeddings"]
         self.max_model_len = min(self.max_model_len, max_position)
+        if self.deterministic and self.max_model_len > BATCH_INVARIANT_MAX_CONTEXT:
+            raise ValueError(
+                f"LLM: deterministic=True covers sequences of at most "
+                f"{BATCH_INVARIANT_MAX_CONTEXT} tokens, got max_model_len={self.max_model_len}")
         self.torch_dtype = self._resolve_dtype(raw)
         # before transformers builds its config (10**6 layers take it seconds) and long before
         # the model: against the whole device (no CUDA context made here: TP workers run this
         # before they pick their GPU); ModelRunner checks again against the free memory
         self.check_memory(torch.device(self.device), free=False)
         self.hf_config = load_hf_config(self.model)
+        if self.deterministic and getattr(self.hf_config, "quantization_config", None):
+            raise ValueError(
+                "LLM: deterministic=True runs bf16 / fp16 checkpoints; this one is quantized "
+                f"({self.hf_config.quantization_config!r}), and the FP8 kernels are not "
+                "batch-invariant")
         if not self.eos_token_ids:
             self.eos_token_ids = self._find_eos_ids()
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)

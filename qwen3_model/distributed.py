@@ -101,18 +101,21 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, batch_invariant: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H]: this rank's partial sum (a row-parallel layer's unreduced output); residual
     [T, H]; weight [H]. In place: residual += sum of x over the ranks; x = rms_norm(residual) *
     weight; returns (x, residual). One kernel where our all-reduce is on (tp_all_reduce
     'custom', what 'auto' picks where it runs) and x fits (up to CUSTOM_MAX_ROWS rows), else
-    all_reduce + fused_add_rms_norm."""
+    all_reduce + fused_add_rms_norm. ``batch_invariant``: the norm's (the deterministic mode
+    runs one rank only, so there is nothing to reduce then)."""
     import qwen3_kernels
 
     if (get_tp_world_size() > 1 and _CUSTOM is not None and _CUSTOM.fits(x)
             and _CUSTOM.fits(residual)):
         return _CUSTOM.add_rms_norm(x, residual, weight, eps)
-    return qwen3_kernels.fused_add_rms_norm(all_reduce(x), residual, weight, eps)
+    return qwen3_kernels.fused_add_rms_norm(all_reduce(x), residual, weight, eps,
+                                            batch_invariant=batch_invariant)
 
 
 # ---- the projection's GEMV sends its row itself (always, under our all-reduce) -----------------

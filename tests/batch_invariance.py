@@ -1,6 +1,6 @@
 """The harness of the batch-invariance tests (functions only; the tests are
-tests/test_batch_invariance.py on CPU and, once the engine has it, the same calls on CUDA with
-``make_llm_factory(path, device="cuda", deterministic=True)``).
+tests/test_batch_invariance.py on the CPU and tests/test_batch_invariance_cuda.py on CUDA, both
+with ``make_llm_factory(path, deterministic=True, ...)``: the engine's deterministic mode).
 
 The property (the acceptance of the deterministic / batch-invariant mode): a request's tokens and
 logprobs do not depend on what else the engine runs. Every token and every logprob (the sampled
@@ -19,7 +19,7 @@ same request run alone, whether it runs
 
 Usage:
 
-    factory = make_llm_factory(path, kvcache_block_size=16)
+    factory = make_llm_factory(path, deterministic=True, kvcache_block_size=16)
     targets = target_requests(vocab_size)                 # 16 prompts x (greedy, seeded)
     alone = run_alone(factory, [r.prompt for r in targets], [r.params for r in targets])
     sc = chunked_prefill_scenario(vocab_size, budget=24, num_others=7, seed=1)
@@ -29,24 +29,23 @@ Usage:
 ``llm_factory(**overrides) -> LLM``: every run builds its engine through it, with the scenario's
 engine settings as keywords (so the factory decides the model, the device and the mode).
 
-On the CPU the engine's own fp32 ops are not batch-invariant (a GEMM rounds a row differently by
-its number of rows; tests/test_batch_invariance.py has the findings); ``cpu_batch_invariant_ops()``
-swaps in the same math one row / one query at a time, so that the rest of the engine can be held
-to exact invariance on the CPU. On CUDA the deterministic mode itself must give that.
+The property holds only in the deterministic mode (``LLM(..., deterministic=True)``): in the
+default mode the engine's GEMMs and attention round a row differently by the number of rows /
+queries in the call, on the CPU (MKL's fp32 GEMM, the reference attention's batched matmuls) as on
+CUDA, so a request's logprobs change in their last bits with the batch (the tests show that too).
+The mode computes every row the same way whatever the batch: on the CPU F.linear one row at a
+time (``qwen3_model.layers.linear.row_invariant_linear``) and the attention one query at a time
+(``qwen3_kernels.reference._attention_invariant``); on CUDA one kernel configuration per op for
+every batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import struct
-import types
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
-
-import torch
-import torch.nn.functional as F
+from typing import Callable, Sequence
 
 from qwen3_model import LLM, SamplingParams
 
@@ -69,8 +68,8 @@ ALONE_OVERRIDES = dict(enable_prefix_caching=False)
 def make_llm_factory(model: str, *, deterministic: bool | None = None,
                      **base) -> LLMFactory:
     """``factory(**overrides) -> LLM(model, **base, **overrides)``. ``deterministic``: passed to
-    the LLM when not None (the engine's batch-invariant mode; None passes nothing, as the CPU
-    tests do, where every op is the fp32 reference)."""
+    the LLM when not None (True: the engine's batch-invariant mode; None passes nothing: the
+    engine's default, which is not batch-invariant)."""
     def factory(**overrides) -> LLM:
         kw = dict(base)
         if deterministic is not None:
@@ -79,60 +78,6 @@ def make_llm_factory(model: str, *, deterministic: bool | None = None,
         return LLM(model, **kw)
 
     return factory
-
-
-# ---- batch-invariant CPU ops (the emulation of the mode on the CPU) -----------------------------
-
-def _row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear one row at a time, each row a fresh [1, K] tensor: every row goes through the
-    same GEMV call whatever the number of rows. (F.linear over [T, K] is not: MKL's fp32 GEMM
-    rounds a row differently at T = 1..8 than in a larger T, measured here on AVX-512.)"""
-    if x.dim() != 2 or x.shape[0] <= 1:
-        return F.linear(x.clone() if x.dim() == 2 else x, weight, bias)
-    return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])])
-
-
-def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             scale: float) -> torch.Tensor:
-    """``qwen3_kernels.reference._attention_one`` one query at a time over exactly the keys it
-    sees (0 ..= its position, copied out): a query's output depends only on its own position's
-    q, k, v, not on the chunk it came in (decode, whole prompt, or a chunk after cached blocks).
-    (The reference's batched [Lq, Lk] matmuls and its masked softmax over Lk keys are not.)"""
-    lq, hq, _ = q.shape
-    lk, hkv, _ = k.shape
-    group = hq // hkv
-    kf = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, Lk, D]
-    vf = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    rows = []
-    for i in range(lq):
-        n = lk - lq + i + 1  # keys 0 .. position
-        qi = q[i].float().unsqueeze(1).clone()  # [Hq, 1, D]
-        ki, vi = kf[:, :n].clone(), vf[:, :n].clone()
-        probs = torch.softmax(torch.matmul(qi, ki.transpose(1, 2)) * scale, dim=-1)
-        rows.append(torch.matmul(probs, vi).transpose(0, 1))  # [1, Hq, D]
-    return torch.cat(rows)
-
-
-@contextlib.contextmanager
-def cpu_batch_invariant_ops() -> Iterator[None]:
-    """On the CPU, make the engine's two batch-dependent ops batch-invariant, for as long as the
-    context lasts: the projections and LM head (F.linear in qwen3_model.layers.linear) and the
-    reference attention (qwen3_kernels.reference._attention_one, under paged_attention_decode /
-    _prefill) compute each row the same way whatever the batch. This is what the deterministic
-    mode has to give on CUDA; on the CPU it lets the harness check everything else (scheduler,
-    chunking, prefix cache, preemption, sampler, logprobs) for exact invariance."""
-    import qwen3_kernels.reference as ref
-    import qwen3_model.layers.linear as lin
-
-    saved_f, saved_att = lin.F, ref._attention_one
-    shim = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
-    shim.linear = _row_invariant_linear
-    lin.F, ref._attention_one = shim, _row_invariant_attention
-    try:
-        yield
-    finally:
-        lin.F, ref._attention_one = saved_f, saved_att
 
 
 # ---- requests -----------------------------------------------------------------------------------

@@ -4,25 +4,28 @@ tests/batch_invariance.py: 16 target prompts (1..300 tokens) x (greedy, seeded t
 run alone when run among other requests, in prefill chunks, from the prefix cache, under KV
 pressure, reordered, with graphs or eager.
 
+The engine runs here in its deterministic mode (``LLM(..., deterministic=True)``, the
+``det_factory`` fixture): on the CPU that is F.linear one row at a time
+(``qwen3_model.layers.linear.row_invariant_linear``) for the projections and the LM head, and
+the reference attention one query at a time (``qwen3_kernels.reference._attention_invariant``).
 What the CPU shows (the findings these tests record):
 
-1. The engine's own CPU ops are not batch-invariant. F.linear (MKL's fp32 GEMM) rounds a row
-   differently when the GEMM has 1..8 rows than when it has more, and the reference attention's
-   [Lq, Lk] matmuls and masked softmax depend on the chunk's query count. So every prompt's
-   logprobs differ in their last bits between its run alone (one-row decode GEMMs) and any batch
-   (``test_engine_own_cpu_ops_in_a_batch``, xfail). The other tests run with
-   ``cpu_batch_invariant_ops()``: the same math one row / one query at a time, which is what the
-   deterministic mode must give on CUDA; everything else (scheduler, chunking, prefix cache,
-   preemption, sampler, logprob code) is then checked for exact invariance.
-2. With those ops, one thing depended on the batch, and is fixed: the order of top-N ids whose
+1. The default mode (deterministic=False) is not batch-invariant: F.linear (MKL's fp32 GEMM)
+   rounds a row differently when the GEMM has 1..8 rows than when it has more, and the reference
+   attention's [Lq, Lk] matmuls and masked softmax depend on the chunk's query count. So prompts'
+   logprobs differ in their last bits between their run alone (one-row decode GEMMs) and a batch
+   (``test_default_mode_differs_in_a_batch`` passes only while they do: the tests below fail
+   without the mode). The deterministic mode removes that; everything else (scheduler, chunking,
+   prefix cache, preemption, sampler, logprob code) is then checked for exact invariance.
+2. In the mode, one thing depended on the batch, and is fixed: the order of top-N ids whose
    logprobs are bit-equal. ``logprob_stats`` (qwen3_model/engine/model_runner.py) ran ``topk``
    with the largest ``logprobs`` any row of the step asked for, and torch.topk orders tied values
    differently for different k (target prompt 7 has such a tie at step 0: tokens 568 and 66, both
    -0x1.05ac3p+2). It now takes the top MAX_LOGPROBS in (logprob, token id) order and cuts
    (``test_tied_top_logprobs_in_a_batch_independent_order``).
 
-On CUDA, with the deterministic mode: ``make_llm_factory(path, device="cuda", deterministic=True)`` and the same calls,
-without ``cpu_batch_invariant_ops`` (the mode itself must give that), 256 others, eager=False.
+On CUDA: tests/test_batch_invariance_cuda.py, the same harness in bf16 on the kernels, with CUDA
+graphs and eager, up to 255 others.
 """
 
 from __future__ import annotations
@@ -46,12 +49,6 @@ BASE = dict(kvcache_block_size=BS, max_num_batched_tokens=512, max_num_seqs=64, 
 # a handful of targets for the runs that need no full set: both params of 4 prompts
 SUBSET = [0, 7, 13, 15, 16, 23, 29, 31]
 
-FINDING_GEMM = (
-    "CPU engine as is: fp32 F.linear (MKL GEMM) and the reference attention round a row "
-    "differently by the number of rows / queries in the call, so every prompt's step-0 logprobs "
-    "differ in the last bits alone vs in a batch (e.g. prompt 0, 1 token: -3.610198736190796 "
-    "alone vs -3.6102006435394287 in a batch)")
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -62,7 +59,14 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def factory(ckpt):
-    return bi.make_llm_factory(ckpt, **BASE)
+    """The engine in its default mode (not batch-invariant)."""
+    return bi.make_llm_factory(ckpt, deterministic=False, **BASE)
+
+
+@pytest.fixture(scope="module")
+def det_factory(ckpt):
+    """The engine in its deterministic (batch-invariant) mode."""
+    return bi.make_llm_factory(ckpt, deterministic=True, **BASE)
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +75,11 @@ def targets():
 
 
 @pytest.fixture(scope="module")
-def alone(factory, targets):
-    """Every target alone, with the batch-invariant CPU ops."""
-    with bi.cpu_batch_invariant_ops():
-        res = bi.run_alone(factory, [r.prompt for r in targets], [r.params for r in targets])
+def alone(det_factory, targets):
+    """Every target alone, in the deterministic mode."""
+    res = bi.run_alone(det_factory, [r.prompt for r in targets], [r.params for r in targets])
     bi.assert_comparable(res, targets)
     return res
-
-
-@pytest.fixture
-def invariant_ops():
-    with bi.cpu_batch_invariant_ops():
-        yield
 
 
 def check(alone, got, targets, what: str) -> None:
@@ -110,88 +107,151 @@ def subset(xs, idx=SUBSET):
     return [xs[i] for i in idx]
 
 
-# ---- the engine with its own CPU ops (finding 1) -----------------------------------------------
+# ---- the mode itself -----------------------------------------------------------------------------
 
-def test_alone_is_repeatable(factory, targets):
-    """Alone vs alone on a fresh engine, the engine's own ops: bit-identical (the runs are
-    deterministic; what differs in a batch is the batch)."""
+def test_deterministic_mode_reaches_every_layer(det_factory, factory):
+    """deterministic=True sets batch_invariant on every layer that has the choice (projections,
+    norms, attention, LM head); the default sets it on none."""
+    for f, on in ((det_factory, True), (factory, False)):
+        llm = f(enable_prefix_caching=False)
+        assert llm.config.deterministic is on
+        layers = [m for m in llm.model_runner.model.modules()
+                  if hasattr(type(m), "batch_invariant")]
+        kinds = {type(m).__name__ for m in layers}
+        assert {"RMSNorm", "Attention", "ParallelLMHead"} <= kinds, kinds
+        assert any("Linear" in k for k in kinds), kinds
+        assert all(m.batch_invariant is on for m in layers), [
+            type(m).__name__ for m in layers if m.batch_invariant is not on]
+
+
+def test_deterministic_config_refusals(ckpt, tmp_path):
+    """deterministic=True with tensor parallelism, an FP8 checkpoint or max_model_len > 40960:
+    a ValueError naming the mode, before anything is built; a non-bool: a ValueError."""
+    from qwen3_model import LLM
+    from qwen3_model.random_checkpoint import write_random_checkpoint
+
+    with pytest.raises(ValueError, match=r"deterministic=True .*tensor_parallel_size=2"):
+        LLM(ckpt, deterministic=True, tensor_parallel_size=2, device="cpu")
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=r"deterministic must be True or False"):
+            LLM(ckpt, deterministic=bad, device="cpu")
+    fp8 = tmp_path / "fp8"
+    write_random_checkpoint(fp8, "demo", weights=False, tokenizer=False, quantization="fp8")
+    with pytest.raises(ValueError, match=r"deterministic=True .*quantized"):
+        LLM(str(fp8), deterministic=True, device="cpu")
+    long = tmp_path / "long"
+    write_random_checkpoint(long, "demo", weights=False, tokenizer=False,
+                            max_position_embeddings=65536)
+    with pytest.raises(ValueError, match=r"deterministic=True covers sequences of at most 40960 "
+                                         r"tokens, got max_model_len=40961"):
+        LLM(str(long), deterministic=True, max_model_len=40961, device="cpu")
+
+
+def test_cli_flag_reaches_the_engine_settings():
+    """--deterministic (generate and serve) sets Config.deterministic; off by default."""
+    from qwen3_model.__main__ import build_parser, engine_kwargs
+    from qwen3_model.server.cli import build_parser as build_serve_parser
+
+    for parser in (build_parser(), build_serve_parser()):
+        assert "--deterministic" in parser.format_help()
+        assert engine_kwargs(parser.parse_args(["--model", "m"]))["deterministic"] is False
+        args = parser.parse_args(["--model", "m", "--deterministic"])
+        assert engine_kwargs(args)["deterministic"] is True
+
+
+# ---- the default mode (finding 1) --------------------------------------------------------------
+
+def test_alone_is_repeatable(factory, det_factory, targets, alone):
+    """Alone vs alone on a fresh engine: bit-identical, in the default mode and in the
+    deterministic one (the runs are deterministic; what differs in a batch is the batch)."""
     ts = subset(targets)
     args = ([r.prompt for r in ts], [r.params for r in ts])
     first = bi.run_alone(factory, *args)
     bi.assert_comparable(first, ts)
-    bi.assert_identical(first, bi.run_alone(factory, *args), "alone again")
+    bi.assert_identical(first, bi.run_alone(factory, *args), "alone again, default mode")
+    bi.assert_identical(subset(alone), bi.run_alone(det_factory, *args),
+                        "alone again, deterministic mode")
 
 
-@pytest.mark.xfail(reason=FINDING_GEMM, raises=AssertionError, strict=False)
-def test_engine_own_cpu_ops_in_a_batch(factory, targets):
+def test_default_mode_differs_in_a_batch(factory, targets):
+    """Without the mode the property fails: the default-mode engine's targets alone vs the same
+    engine settings with 7 others differ (in the last bits of logprobs at least). This passes
+    only while they do, so the invariance tests below fail without ``deterministic=True``."""
     ts = subset(targets)
     prompts, params = [r.prompt for r in ts], [r.params for r in ts]
     ref = bi.run_alone(factory, prompts, params)
     sc = bi.batch_scenario(SPEC["vocab_size"], 7, seed=2)
     got = bi.run_in_batch(factory, prompts, params, sc.others, sc.order_seed,
                           overrides=sc.overrides)
-    bi.assert_identical(ref, got, f"{sc.name}, the engine's own CPU ops")
+    bi.assert_comparable(got, ts)
+    diffs = bi.differences(ref, got)
+    assert diffs, (f"{sc.name}, deterministic=False: all {len(ts)} prompts bit-identical to "
+                   "their run alone; the default mode was expected to differ (MKL's GEMM rounds "
+                   "a row by the number of rows), so these tests no longer show that the mode "
+                   "is needed")
+    print(f"default mode, {sc.name}: {len(diffs)} of {len(ts)} prompts differ from alone, e.g. "
+          f"prompt {diffs[0][0]} step {diffs[0][1]}: {diffs[0][2]}")
 
 
-# ---- with batch-invariant CPU ops ---------------------------------------------------------------
+# ---- the deterministic mode ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_others, eager", [(1, True), (7, True), (7, False), (40, True)],
                          ids=["1", "7", "7-graphs", "40"])
-def test_in_a_batch_of_others(factory, targets, alone, invariant_ops, num_others, eager):
+def test_in_a_batch_of_others(det_factory, targets, alone, num_others, eager):
     """All targets in one generate() call with ``num_others`` random requests, shuffled, one
     large step budget (no chunking), no prefix cache. eager=False asks for CUDA graphs (the CPU
     has none: the same run there)."""
     sc = bi.batch_scenario(SPEC["vocab_size"], num_others, seed=num_others, eager=eager,
                            max_num_batched_tokens=8192, max_num_seqs=128)
-    got = bi.run_scenario(factory, targets, sc)
+    got = bi.run_scenario(det_factory, targets, sc)
     assert got.stats.num_partial_prefills == 0 and got.stats.num_preemptions == 0
     check(alone, got, targets, sc.name)
 
 
-def test_each_target_with_one_other(factory, targets, alone, invariant_ops):
+def test_each_target_with_one_other(det_factory, targets, alone):
     """A few targets each in a call of its own with exactly one random other request."""
-    llm = factory(enable_prefix_caching=False)
+    llm = det_factory(enable_prefix_caching=False)
     got = []
     for j, t in enumerate(subset(targets)):
         others = bi.random_others(1, SPEC["vocab_size"], seed=100 + j)
-        got += bi.run_in_batch(factory, [t.prompt], t.params, others, order_seed=j, llm=llm)
+        got += bi.run_in_batch(det_factory, [t.prompt], t.params, others, order_seed=j, llm=llm)
     check(subset(alone), got, subset(targets), "each with one other")
 
 
 @pytest.mark.parametrize("budget", [24, 64, 97])
-def test_chunked_prefill(factory, targets, alone, invariant_ops, budget):
+def test_chunked_prefill(det_factory, targets, alone, budget):
     """A step budget of ``budget`` tokens: the prompts go in chunks of several sizes beside the
     others' decodes (the scenario checks it)."""
     sc = bi.chunked_prefill_scenario(SPEC["vocab_size"], budget, num_others=7, seed=budget)
-    got = bi.run_scenario(factory, targets, sc)
+    got = bi.run_scenario(det_factory, targets, sc)
     split = [t for t, c in got.stats.prompt_chunks.items() if len(c) > 1]
     assert len(split) >= sum(len(r.prompt) > budget for r in targets)
     check(alone, got, targets, sc.name)
 
 
-def test_prefix_cache_hits(factory, targets, alone, invariant_ops):
+def test_prefix_cache_hits(det_factory, targets, alone):
     """The targets again after a first submission, among others sharing their prefixes: each
     target with a full block before its last token is served from the cache."""
     sc = bi.prefix_cache_scenario(SPEC["vocab_size"], targets, num_others=7, seed=6,
                                   block_size=BS)
-    got = bi.run_scenario(factory, targets, sc)
+    got = bi.run_scenario(det_factory, targets, sc)
     assert sum(r.num_cached_tokens for r in got) >= BS * sum(
         (len(r.prompt) - 1) // BS > 0 for r in targets)
     check(alone, got, targets, sc.name)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache", "no-cache"])
-def test_kv_pressure_preemption(factory, targets, alone, invariant_ops, prefix_caching):
+def test_kv_pressure_preemption(det_factory, targets, alone, prefix_caching):
     """40 KV blocks (640 tokens) for 39 requests: sequences, targets among them, are preempted
     and recomputed (from their surviving cached blocks, with the prefix cache)."""
     sc = bi.kv_pressure_scenario(SPEC["vocab_size"], num_blocks=40, num_others=7,
                                  seed=7 if prefix_caching else 8,
                                  enable_prefix_caching=prefix_caching)
-    got = bi.run_scenario(factory, targets, sc)
+    got = bi.run_scenario(det_factory, targets, sc)
     check(alone, got, targets, sc.name)
 
 
-def test_reordering(factory, targets, alone, invariant_ops):
+def test_reordering(det_factory, targets, alone):
     """One set of others, submitted in two shuffled orders and under longest_first
     scheduling, with a step budget that chunks: each run equal to alone (and so to the
     others)."""
@@ -200,32 +260,34 @@ def test_reordering(factory, targets, alone, invariant_ops):
     runs = {}
     for order in (1, 2):
         runs[f"order {order}"] = bi.run_in_batch(
-            factory, prompts, params, others, order, overrides=dict(max_num_batched_tokens=160))
+            det_factory, prompts, params, others, order,
+            overrides=dict(max_num_batched_tokens=160))
     runs["longest_first"] = bi.run_in_batch(
-        factory, prompts, params, others, 3,
+        det_factory, prompts, params, others, 3,
         overrides=dict(max_num_batched_tokens=160, scheduling_policy="longest_first"))
     for name, got in runs.items():
         check(alone, got, targets, name)
 
 
-def test_tied_top_logprobs_in_a_batch_independent_order(factory, targets, alone, invariant_ops):
+def test_tied_top_logprobs_in_a_batch_independent_order(det_factory, targets, alone):
     """Finding 2, reduced: target 7 (an exact tie in its top 5 at step 0) alone (logprobs=5) vs
     beside one short request that asks for logprobs=6, 9, 16: the same top-N, in the same order."""
     t = targets[7]
     for n in (6, 9, 16):
         other = [bi.Request([3, 4, 5], SamplingParams(temperature=0, max_tokens=2, logprobs=n))]
-        got = bi.run_in_batch(factory, [t.prompt], t.params, other, 0,
+        got = bi.run_in_batch(det_factory, [t.prompt], t.params, other, 0,
                               overrides=dict(enable_prefix_caching=False))
         bi.assert_identical([alone[7]], got, f"beside a request for logprobs={n}")
 
 
 # ---- the harness can fail ----------------------------------------------------------------------
 
-def test_reports_a_different_sampling_seed(factory, targets, alone, invariant_ops):
+def test_reports_a_different_sampling_seed(det_factory, targets, alone):
     """The seeded targets with another seed, in a batch: reported, by token."""
     ts = bi.target_requests(SPEC["vocab_size"], sampling_seed=bi.TARGET_SEED + 1)
     seeded = [i for i, r in enumerate(ts) if r.params.seed is not None][:4]
-    got = bi.run_in_batch(factory, [ts[i].prompt for i in seeded], [ts[i].params for i in seeded],
+    got = bi.run_in_batch(det_factory, [ts[i].prompt for i in seeded],
+                          [ts[i].params for i in seeded],
                           bi.random_others(3, SPEC["vocab_size"], seed=11), 0)
     diffs = bi.differences(subset(alone, seeded), got)
     assert diffs and any(d.startswith("token") for _, _, d in diffs), diffs
@@ -233,7 +295,7 @@ def test_reports_a_different_sampling_seed(factory, targets, alone, invariant_op
         bi.assert_identical(subset(alone, seeded), got, "another seed")
 
 
-def test_reports_a_one_ulp_checkpoint_change(ckpt, targets, alone, invariant_ops, tmp_path):
+def test_reports_a_one_ulp_checkpoint_change(ckpt, targets, alone, tmp_path):
     """The final norm's first weight one ulp larger: the targets alone on that checkpoint are
     reported, with the prompt, the step and both logprob values."""
     from safetensors.torch import load_file, save_file
@@ -245,8 +307,8 @@ def test_reports_a_one_ulp_checkpoint_change(ckpt, targets, alone, invariant_ops
     w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
     save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
     ts = subset(targets)
-    got = bi.run_alone(bi.make_llm_factory(str(changed), **BASE), [r.prompt for r in ts],
-                       [r.params for r in ts])
+    got = bi.run_alone(bi.make_llm_factory(str(changed), deterministic=True, **BASE),
+                       [r.prompt for r in ts], [r.params for r in ts])
     diffs = bi.differences(subset(alone), got)
     assert diffs, "a one-ulp weight change went unreported"
     with pytest.raises(AssertionError) as e:

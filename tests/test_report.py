@@ -55,7 +55,7 @@ def _write_results(record, results):
         num_seqs, model, size, scheduling_policy, max_num_seqs = 256, None, "8B", "fcfs", 512
         max_num_batched_tokens, max_piecewise_graph_tokens, no_overlap_steps = 16384, 512, False
         tp_all_reduce, tensor_parallel_size, enforce_eager, block_size = "auto", 1, False, 256
-        kv_cache_dtype = "auto"
+        kv_cache_dtype, deterministic = "auto", False
 
     result = dict(mode="throughput", model="Qwen3-8B (random weights)", tok_s=9999.0,
                   seconds=10.0, output_tokens=99990, hf_tok_s=1000.0, sm_mhz_median=1980.0,

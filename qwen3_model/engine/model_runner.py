@@ -120,6 +120,12 @@ class ModelRunner(StepInputs, CudaGraphs):
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         if self.use_cuda:
             torch.cuda.set_device(self.device)
+            cap = torch.cuda.get_device_capability(self.device)
+            if (config.deterministic and config.torch_dtype != torch.float32
+                    and cap != (9, 0)):
+                raise ValueError(
+                    f"LLM: deterministic=True on CUDA runs the batch-invariant kernels of a "
+                    f"compute capability 9.0 GPU (Hopper); {self.device} is {cap}")
         torch.manual_seed(config.seed)
         # the weights + a minimal KV cache against this device's free memory, before building
         config.check_memory(self.device)
@@ -128,7 +134,7 @@ class ModelRunner(StepInputs, CudaGraphs):
         torch.set_default_dtype(config.torch_dtype)
         try:
             with torch.device(self.device):
-                self.model = Qwen3ForCausalLM(hf)
+                self.model = Qwen3ForCausalLM(hf, batch_invariant=config.deterministic)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":

@@ -20,8 +20,11 @@ class Attention(nn.Module):
     model runner once it has sized the cache; they start empty. Their dtype is the model's, or
     float8_e4m3fn (Config.kv_cache_dtype="fp8"), which stores K / V divided by ``k_scale`` /
     ``v_scale`` (this layer's, from the checkpoint; 1.0 otherwise and always for a cache in the
-    model's dtype).
+    model's dtype). ``batch_invariant`` (the deterministic mode, set on the whole model by
+    Qwen3ForCausalLM): both kernels compute each query as decode does, whatever the batch.
     """
+
+    batch_invariant = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float):
         super().__init__()
@@ -74,7 +77,7 @@ class Attention(nn.Module):
             qwen3_kernels.paged_attention_prefill(
                 q[:n_pre], self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.prefill_seq_lens_k,
                 ctx.prefill_block_tables, ctx.max_seqlen_q, self.scale, out=out[:n_pre],
-                k_scale=self.k_scale, v_scale=self.v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale, batch_invariant=self.batch_invariant,
             )
         if q.shape[0] > n_pre:
             if ctx.decode_seq_lens is None:
@@ -86,5 +89,5 @@ class Attention(nn.Module):
             qwen3_kernels.paged_attention_decode(
                 q[n_pre:], self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_seq_lens,
                 self.scale, out=out[n_pre:], workspace=ctx.decode_workspace,
-                k_scale=self.k_scale, v_scale=self.v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale, batch_invariant=self.batch_invariant,
             )

@@ -46,7 +46,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ weight^T over this rank's vocab slice, gathered on rank 0.
 
     With tied embeddings the model points ``weight`` at the embedding's parameter.
+    ``batch_invariant``: the deterministic mode (set on the whole model by Qwen3ForCausalLM).
     """
+
+    batch_invariant = False
 
     def forward(self, hidden: torch.Tensor):  # pragma: no cover - use compute_logits
         raise RuntimeError("ParallelLMHead is applied through compute_logits(hidden)")
@@ -61,7 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         cost 116 us of a 14 ms Qwen3-8B decode step
         (``benchmarks/bench_engine.py --size 8B --profile --num-seqs 256``).
         """
-        logits = linear(hidden, self.weight)  # [N, vocab / tp]
+        logits = linear(hidden, self.weight, batch_invariant=self.batch_invariant)  # [N, vocab / tp]
         logits = gather_to_rank0(logits, dim=-1)
         if logits is None or dtype is None:
             return logits

@@ -11,6 +11,8 @@ from qwen3_model.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
+    batch_invariant = False  # the deterministic mode (set on the whole model by Qwen3ForCausalLM)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = float(eps)
@@ -26,8 +28,10 @@ class RMSNorm(nn.Module):
         layer built with reduce_results=False: it is summed over the tensor-parallel ranks first,
         in the same kernel as the add + norm where our all-reduce is on (the TP default).
         """
+        bi = self.batch_invariant
         if residual is None:
-            return qwen3_kernels.rms_norm(x, self.weight, self.eps)
+            return qwen3_kernels.rms_norm(x, self.weight, self.eps, batch_invariant=bi)
         if all_reduce_x:
-            return all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
-        return qwen3_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, batch_invariant=bi)
+        return qwen3_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps,
+                                                batch_invariant=bi)

@@ -46,29 +46,47 @@ FP8_BLOCK = qwen3_kernels.reference.FP8_GROUP  # rows and columns of a weight_sc
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear one row at a time, each row a fresh [1, in] tensor: every row goes through the
+    same GEMV call whatever the number of rows (F.linear over [T, in] does not: MKL's fp32 GEMM
+    rounds a row differently at T = 1..8 than in a larger T). The deterministic mode's
+    projection where the linear op does not run (CPU, fp32)."""
+    if x.dim() != 2 or x.shape[0] <= 1:
+        return F.linear(x.clone() if x.dim() == 2 else x, weight, bias)
+    return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale_inv: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
     """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out]: the linear op where
     ``_runs_op``, F.linear otherwise. With ``weight_scale_inv`` [ceil(out/128), ceil(in/128)]
-    the weight is FP8 and linear_fp8 runs (its reference where its kernel does not)."""
+    the weight is FP8 and linear_fp8 runs (its reference where its kernel does not).
+    ``batch_invariant``: each row's result does not depend on T (the deterministic mode; not
+    with FP8 weights, which the engine refuses in that mode)."""
     if weight_scale_inv is not None:
         out = qwen3_kernels.linear_fp8(x.contiguous(), weight, weight_scale_inv)
         return out.add_(bias) if bias is not None else out
     if not _runs_op(x, weight):
-        return F.linear(x, weight, bias)
-    out = qwen3_kernels.linear(x.contiguous(), weight)
+        return (row_invariant_linear if batch_invariant else F.linear)(x, weight, bias)
+    out = qwen3_kernels.linear(x.contiguous(), weight, batch_invariant=batch_invariant)
     return out.add_(bias) if bias is not None else out
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None,
-                        weight_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+                        weight_scale_inv: torch.Tensor | None = None,
+                        batch_invariant: bool = False) -> torch.Tensor:
     """silu_and_mul(x [T, in] @ weight [2I, in]^T (+ bias [2I])) -> [T, I]; weight is gate | up.
 
     The linear_silu_and_mul op where ``_runs_op`` and there is no bias (one pass over the weight
     at one token, cuBLAS + silu_and_mul above); ``linear`` and then silu_and_mul otherwise (FP8
-    included: linear_fp8 has no fused variant).
+    included: linear_fp8 has no fused variant; and ``batch_invariant``: the fused one-token pass
+    rounds differently from the GEMM the other token counts run).
     """
+    if batch_invariant:
+        return qwen3_kernels.silu_and_mul(linear(x, weight, bias, weight_scale_inv, True))
     if weight_scale_inv is not None:
         return qwen3_kernels.silu_and_mul(linear(x, weight, bias, weight_scale_inv))
     if bias is None and _runs_op(x, weight):
@@ -96,7 +114,10 @@ class LinearBase(nn.Module):
     """weight [out_local, in_local] (+ bias [out_local]); ``tp_dim`` is the dim split across ranks
     (0: output features, 1: input features, None: replicated). With ``quantization="fp8"``:
     weight float8_e4m3fn and weight_scale_inv fp32 [ceil(out_local/128), ceil(in_local/128)].
-    ``name`` (e.g. "qkv_proj") is for error messages."""
+    ``name`` (e.g. "qkv_proj") is for error messages. ``batch_invariant`` (set on the whole
+    model by Qwen3ForCausalLM): the deterministic mode's projection (``linear``)."""
+
+    batch_invariant = False
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_dim: int | None,
                  quantization: str | None = None, name: str = "linear"):
@@ -160,7 +181,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_local] -> [T, out_local]
-        return linear(x, self.weight, self.bias, self.weight_scale_inv)
+        return linear(x, self.weight, self.bias, self.weight_scale_inv, self.batch_invariant)
 
 
 class ReplicatedLinear(LinearBase):
@@ -301,12 +322,12 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (not self.reduce_results and self.bias is None and self.weight_scale_inv is None
-                and _runs_op(x, self.weight)):
+                and not self.batch_invariant and _runs_op(x, self.weight)):
             # one token, our all-reduce on: the GEMV sends its row to the peers itself
             y = push_linear(x, self.weight) if x.shape[0] == 1 else None
             if y is not None:
                 return y
-        y = linear(x, self.weight, None, self.weight_scale_inv)
+        y = linear(x, self.weight, None, self.weight_scale_inv, self.batch_invariant)
         if not self.reduce_results:
             return y + self.bias if self.bias is not None and self.tp_rank == 0 else y
         y = all_reduce(y)

@@ -112,7 +112,8 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         # silu_and_mul(gate_up_proj(x)), fused into the GEMV where that runs
         gu = self.gate_up_proj
-        h = linear_silu_and_mul(x, gu.weight, gu.bias, gu.weight_scale_inv)  # [T, I]
+        h = linear_silu_and_mul(x, gu.weight, gu.bias, gu.weight_scale_inv,
+                                gu.batch_invariant)  # [T, I]
         return self.down_proj(h)
 
 
@@ -170,7 +171,11 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config):
+    def __init__(self, config, batch_invariant: bool = False):
+        """``batch_invariant``: the deterministic mode (Config.deterministic): every layer with a
+        kernel choice (projections, norms, attention, LM head) computes each token's row the
+        same way whatever else is in the step, so its output is bit-identical alone or in any
+        batch. Not with FP8 weights or tensor parallelism (the engine refuses both)."""
         super().__init__()
         check_qwen3_config(config)
         self.config = config
@@ -182,6 +187,9 @@ class Qwen3ForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             # One parameter, listed once (as model.embed_tokens.weight) in named_parameters().
             self.lm_head.weight = self.model.embed_tokens.weight
+        for m in self.modules():  # the layer classes that have the mode declare it
+            if hasattr(type(m), "batch_invariant"):
+                m.batch_invariant = bool(batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 (one step's flat tokens) -> hidden [T, hidden]."""

@@ -4,9 +4,10 @@
 //
 // batch_invariant (the deterministic mode): CUTLASS tiles run data-parallel only (each output
 // tile's whole K loop in one CTA, k16 wgmma steps in order from k = 0, no split-K or stream-K), so
-// an output's sum is the same chain of the same instruction whatever M is: the 128x32 tile up to
-// kInvariantSmallM tokens (N / 32 CTAs stream the weight of a decode step), the 128x128 tile
-// above. The two tiles run the same wgmma k-steps on each output and give the same bits
+// an output's sum is the same chain of the same instruction whatever M is: operands swapped with
+// 128 weight rows x 16 tokens up to kInvariantTinyM tokens, the 128x32 tile up to
+// kInvariantSmallM (N / 32 CTAs stream the weight of a decode step), the 128x128 tile above.
+// The tiles run the same wgmma k-steps on each output and give the same bits
 // (tests/test_batch_invariant_ops.py checks it at every shape). sm_90 only; elsewhere the
 // launcher refuses (cuBLAS picks its kernel, split-K included, by M).
 //
@@ -49,7 +50,7 @@ namespace linear_detail {
 namespace {
 
 enum class Config {
-  kGemv, kSplitK, kTile128x128, kTile128x256, kTile128x32,
+  kGemv, kSplitK, kTile128x128, kTile128x256, kTile128x32, kSwap128x16,
   kCublas,  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
   kUnsupported  // batch-invariant on a GPU without the sm_90 kernels
 };
@@ -99,6 +100,8 @@ constexpr Row kTable[] = {
                {t256(DP),  CB,        CB,        t256(SK),  CB,        CB}},
 };
 
+constexpr int64_t kInvariantTinyM = 16;
+constexpr Choice kInvariantTiny = {Config::kSwap128x16, DP, 0};
 constexpr int64_t kInvariantSmallM = 128;
 constexpr Choice kInvariantSmall = {Config::kTile128x32, DP, 0};
 constexpr Choice kInvariant = t128(DP);
@@ -107,7 +110,10 @@ constexpr Choice kUnsupported = {Config::kUnsupported, H, 0};
 // The rule at the top of the file. cc: the device's compute capability (major * 10 + minor).
 Choice choose(int64_t m, int64_t n, int64_t k, int cc, bool batch_invariant) {
   if (cc != 90) return batch_invariant ? kUnsupported : CB;  // sm_90a code runs on 9.0 exactly
-  if (batch_invariant) return m <= kInvariantSmallM ? kInvariantSmall : kInvariant;
+  if (batch_invariant) {
+    if (m <= kInvariantTinyM) return kInvariantTiny;
+    return m <= kInvariantSmallM ? kInvariantSmall : kInvariant;
+  }
   if (m == 1) return GEMV;
   for (int col = 0; col < kQkvShapes; ++col) {
     if (kQkv[col].n != n || kQkv[col].k != k) continue;
@@ -157,6 +163,8 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x256_bf16_workspace(p) : sm90_tile_128x256_fp16_workspace(p);
     case Config::kTile128x32:
       return bf16 ? sm90_tile_128x32_bf16_workspace(p) : sm90_tile_128x32_fp16_workspace(p);
+    case Config::kSwap128x16:
+      return bf16 ? sm90_swap_128x16_bf16_workspace(p) : sm90_swap_128x16_fp16_workspace(p);
     default:
       return 0;
   }
@@ -174,6 +182,8 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x256_bf16(p) : sm90_tile_128x256_fp16(p);
     case Config::kTile128x32:
       return bf16 ? sm90_tile_128x32_bf16(p) : sm90_tile_128x32_fp16(p);
+    case Config::kSwap128x16:
+      return bf16 ? sm90_swap_128x16_bf16(p) : sm90_swap_128x16_fp16(p);
     case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
     case Config::kUnsupported:
       return cudaErrorNotSupported;

@@ -37,6 +37,8 @@ QWEN3_LINEAR_DECLARE(sm90_tile_128x256_bf16)   // large prefill
 QWEN3_LINEAR_DECLARE(sm90_tile_128x256_fp16)
 QWEN3_LINEAR_DECLARE(sm90_tile_128x32_bf16)    // batch-invariant, up to 128 tokens
 QWEN3_LINEAR_DECLARE(sm90_tile_128x32_fp16)
+QWEN3_LINEAR_DECLARE(sm90_swap_128x16_bf16)    // batch-invariant, up to 16 tokens
+QWEN3_LINEAR_DECLARE(sm90_swap_128x16_fp16)
 
 #undef QWEN3_LINEAR_DECLARE
 

@@ -708,6 +708,8 @@ struct LaunchChoice {
 // w8s3c1 (w4s3 where it does not fit), contiguous splits of kInvariantSplitTiles tiles from key 0
 // (as many splits as the context bound needs; those past a sequence's end are empty and weigh
 // nothing in the combine), split 0 writing a sequence that fits in one split, the fast combine.
+// Measured on an H200 (Qwen3-8B heads, against the automatic launch): batch 1 at 512 / 1024 / 4096
+// keys 7.2 / 9.4 / 10.0 us vs 5.6 / 5.9 / 8.0; B = 64 / 256 at 1024 keys 1.30x / 1.32x the time.
 LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms, bool batch_invariant) {
   if (batch_invariant) return LaunchChoice{split_shape_fits(), true, false, true, true};
   const bool fills_gpu = int64_t{batch} * kv_ctas >= num_sms;

@@ -5,8 +5,8 @@
 // batch_invariant (the deterministic mode): CUTLASS tiles run data-parallel only (each output
 // tile's whole K loop in one CTA, k16 wgmma steps in order from k = 0, no split-K or stream-K), so
 // an output's sum is the same chain of the same instruction whatever M is: operands swapped with
-// 128 weight rows x 16 tokens up to kInvariantTinyM tokens and x 64 tokens up to kInvariantFewM,
-// the 128x32 tile up to kInvariantSmallM, the 128x128 tile above.
+// 128 weight rows x 16 tokens up to kInvariantTinyM tokens, the 128x32 tile up to
+// kInvariantSmallM (N / 32 CTAs stream the weight of a decode step), the 128x128 tile above.
 // The tiles run the same wgmma k-steps on each output and give the same bits
 // (tests/test_batch_invariant_ops.py checks it at every shape). sm_90 only; elsewhere the
 // launcher refuses (cuBLAS picks its kernel, split-K included, by M).
@@ -50,7 +50,7 @@ namespace linear_detail {
 namespace {
 
 enum class Config {
-  kGemv, kSplitK, kTile128x128, kTile128x256, kTile128x32, kSwap128x16, kSwap128x64,
+  kGemv, kSplitK, kTile128x128, kTile128x256, kTile128x32, kSwap128x16,
   kCublas,  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
   kUnsupported  // batch-invariant on a GPU without the sm_90 kernels
 };
@@ -102,8 +102,6 @@ constexpr Row kTable[] = {
 
 constexpr int64_t kInvariantTinyM = 16;
 constexpr Choice kInvariantTiny = {Config::kSwap128x16, DP, 0};
-constexpr int64_t kInvariantFewM = 64;
-constexpr Choice kInvariantFew = {Config::kSwap128x64, DP, 0};
 constexpr int64_t kInvariantSmallM = 128;
 constexpr Choice kInvariantSmall = {Config::kTile128x32, DP, 0};
 constexpr Choice kInvariant = t128(DP);
@@ -114,7 +112,6 @@ Choice choose(int64_t m, int64_t n, int64_t k, int cc, bool batch_invariant) {
   if (cc != 90) return batch_invariant ? kUnsupported : CB;  // sm_90a code runs on 9.0 exactly
   if (batch_invariant) {
     if (m <= kInvariantTinyM) return kInvariantTiny;
-    if (m <= kInvariantFewM) return kInvariantFew;
     return m <= kInvariantSmallM ? kInvariantSmall : kInvariant;
   }
   if (m == 1) return GEMV;
@@ -168,8 +165,6 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x32_bf16_workspace(p) : sm90_tile_128x32_fp16_workspace(p);
     case Config::kSwap128x16:
       return bf16 ? sm90_swap_128x16_bf16_workspace(p) : sm90_swap_128x16_fp16_workspace(p);
-    case Config::kSwap128x64:
-      return bf16 ? sm90_swap_128x64_bf16_workspace(p) : sm90_swap_128x64_fp16_workspace(p);
     default:
       return 0;
   }
@@ -189,8 +184,6 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x32_bf16(p) : sm90_tile_128x32_fp16(p);
     case Config::kSwap128x16:
       return bf16 ? sm90_swap_128x16_bf16(p) : sm90_swap_128x16_fp16(p);
-    case Config::kSwap128x64:
-      return bf16 ? sm90_swap_128x64_bf16(p) : sm90_swap_128x64_fp16(p);
     case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
     case Config::kUnsupported:
       return cudaErrorNotSupported;

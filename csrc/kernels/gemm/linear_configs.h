@@ -39,8 +39,6 @@ QWEN3_LINEAR_DECLARE(sm90_tile_128x32_bf16)    // batch-invariant, up to 128 tok
 QWEN3_LINEAR_DECLARE(sm90_tile_128x32_fp16)
 QWEN3_LINEAR_DECLARE(sm90_swap_128x16_bf16)    // batch-invariant, up to 16 tokens
 QWEN3_LINEAR_DECLARE(sm90_swap_128x16_fp16)
-QWEN3_LINEAR_DECLARE(sm90_swap_128x64_bf16)    // batch-invariant, 17 to 64 tokens
-QWEN3_LINEAR_DECLARE(sm90_swap_128x64_fp16)
 
 #undef QWEN3_LINEAR_DECLARE
 

@@ -280,6 +280,22 @@ def _long_cache(n_keys, hq=2, hkv=1, block_size=256, device="cpu", dtype=torch.f
     return q, k, v, table
 
 
+def test_one_context_limit_everywhere():
+    """The limit is spelled out three times: the ops', the engine config's (which must not load
+    the kernels) and launchers.h's split constants; they agree."""
+    import re
+    from pathlib import Path
+
+    from qwen3_model import config
+
+    assert config.BATCH_INVARIANT_MAX_CONTEXT == BATCH_INVARIANT_MAX_CONTEXT
+    header = (Path(__file__).parents[1] / "csrc/include/qwen3_kernels/launchers.h").read_text()
+    split = int(re.search(r"kDecodeInvariantSplitKeys = (\d+);", header).group(1))
+    assert split == ops.BATCH_INVARIANT_SPLIT_KEYS
+    assert re.search(r"kDecodeInvariantMaxKeys = (\d+) \* kDecodeInvariantSplitKeys", header
+                     ).group(1) == str(ops.MAX_DECODE_SPLITS)
+
+
 def _rejection_checks(device, dtype):
     """batch_invariant refuses a context past 40960 keys (decode and prefill) with a ValueError,
     before anything is written; 40960 keys run, and prefill == decode there; without

@@ -139,7 +139,7 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
 // how the prompt was chunked, nor on whether prefill or decode computed it (a preempted
 // sequence's recompute). Each token becomes a one-token sequence: its sequence's block-table row
 // and the keys up to itself. Tokens run in groups so the split workspace stays under 64 MiB.
-// Each token re-reads its keys (mostly from L2): 30-34x the time of the prefill kernel on 8 x 512,
+// Each token re-reads its keys (mostly from L2): 16-17x the time of the prefill kernel on 8 x 512,
 // 1 x 2048 and 4 x 1024 tokens of Qwen3-8B heads (H200); several tokens of a sequence sharing one
 // CTA's K/V tiles would cut that by the rows a CTA holds (16 / group).
 void prefill_as_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

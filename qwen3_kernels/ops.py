@@ -425,10 +425,10 @@ def qk_norm_rope(
 # Split-KV decode keeps per-split partial outputs and log-sum-exps here: fp32
 # [B, Hq, MAX_DECODE_SPLITS, D + 1]. Allocate once per batch size and pass it in (CUDA graphs).
 MAX_DECODE_SPLITS = 64
-# batch_invariant decode / prefill: splits of a fixed 640 keys (launchers.h), at most
-# MAX_DECODE_SPLITS of them, so a sequence may hold at most this many keys
-BATCH_INVARIANT_SPLIT_KEYS = 640
-BATCH_INVARIANT_MAX_CONTEXT = MAX_DECODE_SPLITS * BATCH_INVARIANT_SPLIT_KEYS  # 40960
+# batch_invariant decode / prefill: splits of a fixed 2048 keys from key 0 (launchers.h), and a
+# sequence may hold at most Qwen3's max_position_embeddings keys (20 splits)
+BATCH_INVARIANT_SPLIT_KEYS = 2048
+BATCH_INVARIANT_MAX_CONTEXT = 20 * BATCH_INVARIANT_SPLIT_KEYS  # 40960
 
 
 def _check_invariant_context(op: str, name: str, lens: torch.Tensor):

@@ -33,9 +33,11 @@ cudaError_t silu_and_mul(void* out,            // [T, I], row stride out_stride 
 // batch_invariant (the engine's deterministic mode): the launch is the same for every batch, so
 // each output row is a function of its own inputs alone, bit for bit, whatever T or B is (norm.cu,
 // decode.cu, linear.cu; prefill runs every query token as decode would, torch_bindings.cpp).
-// Decode's splits then cover this many keys each, from key 0, and there are at most 64 of them.
-constexpr int kDecodeInvariantSplitKeys = 640;
-constexpr int kDecodeInvariantMaxKeys = 64 * kDecodeInvariantSplitKeys;  // 40960
+// Decode's splits then cover this many keys each, from key 0, up to kDecodeInvariantMaxKeys keys
+// (Qwen3's max_position_embeddings; the combine holds at most 64 splits).
+constexpr int kDecodeInvariantSplitKeys = 2048;
+constexpr int kDecodeInvariantMaxKeys = 40960;
+static_assert(kDecodeInvariantMaxKeys <= 64 * kDecodeInvariantSplitKeys, "64 splits at most");
 
 // ---- norm.cu --------------------------------------------------------------------------------
 // out = x * rsqrt(mean(x^2) + eps) * weight, per row

@@ -167,6 +167,9 @@ struct DecodeParams {
   int ctx_cap;                  // min(max_blocks * block_size, 2^30): seq_lens are clamped to it
   int interleave;               // 1: split s takes chunks s, s + num_splits, ... (else contiguous)
   int pdl;                      // 1: launched with PDL; wait for the previous grid first
+  int combine_heads;            // q heads per combine CTA (a divisor of Hq): 1, or the group
+                                // where the batch alone fills the GPU (fewer CTAs that find a
+                                // sequence written alone and return)
   float scale_log2;             // softmax scale * k_scale * log2(e): the kernel works in base 2
   float v_scale;                // the output's factor (1 but for an fp8 cache)
 };
@@ -199,13 +202,15 @@ __device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_c) 
 
 // ---- main kernel --------------------------------------------------------------------------------
 
-// grid (num_splits, Hkv * head_chunks, B), S::kThreads threads, S::kSmemBytes of dynamic smem.
+// S::kThreads threads, S::kSmemBytes of dynamic smem (the kernel is paged_decode_kernel below).
 // Keep this loop free of code it does not run: with a merge step compiled into the split kernel
 // (not run), ptxas scheduled the main loop differently and B=1 ctx 32k went from 37.8 to 43.7 us
 // (H200, bench_attention_decode.py).
 // KV: the cache's element type (T, or uint8_t for e4m3); M: the mma's 16-bit type.
+// One split of one (sequence, kv head, head chunk): the whole CTA, shared memory included.
 template <typename T, typename KV, bool kSplit, typename S>
-__global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
+__device__ __forceinline__ void decode_split(const DecodeParams& p, const int split,
+                                             unsigned char* smem) {
   constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
   using M = std::conditional_t<kFp8, __half, T>;
   constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(KV));
@@ -213,10 +218,6 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   constexpr int kStages = S::kStages;
   constexpr int kChunkTiles = S::kChunkTiles;
   constexpr int kTilesPerWarpChunk = S::kTilesPerWarpChunk;
-  extern __shared__ __align__(16) unsigned char smem[];
-  if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
-  if (kSplit || p.pdl) pdl_launch_dependents();
-  const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.head_chunks;
   const int chunk = blockIdx.y % p.head_chunks;
   const int b = blockIdx.z;
@@ -514,6 +515,26 @@ __global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeP
   }
 }
 
+// grid (launched splits, Hkv * head_chunks, B). kLoop (the batch-invariant launch): the CTA of
+// launched split x runs splits x, x + gridDim.x, ... of p.num_splits in turn, so the grid follows
+// the batch (enough CTAs to fill the GPU) while the splits stay at fixed key positions; a grid of
+// p.num_splits CTAs per (sequence, kv head) would launch mostly empty CTAs, each paying a launch and
+// a seq_lens round trip.
+template <typename T, typename KV, bool kSplit, typename S, bool kLoop = false>
+__global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
+  if (kSplit || p.pdl) pdl_launch_dependents();
+  if constexpr (kLoop) {
+    for (int split = blockIdx.x; split < p.num_splits; split += gridDim.x) {
+      decode_split<T, KV, kSplit, S>(p, split, smem);
+      __syncthreads();  // the next split's copies reuse the merge's shared memory
+    }
+  } else {
+    decode_split<T, KV, kSplit, S>(p, blockIdx.x, smem);
+  }
+}
+
 // ---- combine kernels ----------------------------------------------------------------------------
 
 // Whether sequence b's split 0 wrote its output itself (the main kernel's "alone" case): the
@@ -566,11 +587,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   constexpr int kCWarps = kCombineThreads / 32;
   constexpr int kPerWarp = kMaxSplits / kCWarps;  // splits a warp may own
   __shared__ float4 red[kCWarps][32];             // each warp's sum, dims 4 lane .. 4 lane + 3
-  const int64_t bh = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (p.pdl) pdl_launch_dependents();
   pdl_wait();
-  if (written_alone(p, bh)) return;
+  // The CTA's heads are of one sequence (combine_heads divides Hq): alone for all or for none.
+  if (written_alone(p, static_cast<int64_t>(blockIdx.x) * p.combine_heads)) return;
+  for (int hc = 0; hc < p.combine_heads; ++hc) {
+  const int64_t bh = static_cast<int64_t>(blockIdx.x) * p.combine_heads + hc;
+  if (hc > 0) __syncthreads();  // the previous head's reads of red are done
   const float* lse = p.ws_lse + bh * p.max_splits;
   const float4* part =
       reinterpret_cast<const float4*>(p.ws_out + bh * p.max_splits * kHeadDim) + lane;
@@ -605,6 +629,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
   for (int w = 0; w < kCWarps; ++w) sum += redf[w * kHeadDim + d];
   static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(sw.total > 0.f ? sum / sw.total : 0.f);
+  }
 }
 // ---- host side ----------------------------------------------------------------------------------
 
@@ -644,7 +669,7 @@ bool split_shape_fits() {
 // Resident CTAs of the main kernel per SM (w4s3: 1 on A100's 164 KB of shared memory, 2 on
 // H100/H200), queried once per device. Also raises the kernel's dynamic shared memory limit, which
 // is per device. A shape that does not fit the device's shared memory fails here.
-template <typename T, typename KV, bool kSplit, typename S>
+template <typename T, typename KV, bool kSplit, typename S, bool kLoop = false>
 cudaError_t prepare_kernel(int* ctas_per_sm) {
   static int cached[kMaxDevices] = {};
   int dev = 0;
@@ -654,7 +679,7 @@ cudaError_t prepare_kernel(int* ctas_per_sm) {
     *ctas_per_sm = cached[dev];
     return cudaSuccess;
   }
-  auto kernel = paged_decode_kernel<T, KV, kSplit, S>;
+  auto kernel = paged_decode_kernel<T, KV, kSplit, S, kLoop>;
   constexpr int kSmem = S::template smem_bytes<KV>();
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
@@ -705,11 +730,16 @@ struct LaunchChoice {
 // same flags on w4s3.
 //
 // Batch-invariant: one launch for every batch, so a row's result depends on its own sequence only:
-// w8s3c1 (w4s3 where it does not fit), contiguous splits of kInvariantSplitTiles tiles from key 0
-// (as many splits as the context bound needs; those past a sequence's end are empty and weigh
-// nothing in the combine), split 0 writing a sequence that fits in one split, the fast combine.
-// Measured on an H200 (Qwen3-8B heads, against the automatic launch): batch 1 at 512 / 1024 / 4096
-// keys 7.2 / 9.4 / 10.0 us vs 5.6 / 5.9 / 8.0; B = 64 / 256 at 1024 keys 1.30x / 1.32x the time.
+// w8s3c1 (w4s3 where it does not fit), contiguous splits of kInvariantSplitTiles tiles from key 0,
+// split 0 writing a sequence that fits in one split, the fast combine. The CTAs loop over the
+// splits (paged_decode_kernel's kLoop): as many are launched per (sequence, kv head) as fill the
+// GPU once, so a large batch launches one CTA per sequence and kv head, never the empty splits
+// past a short sequence that the context bound would ask for. Split size: 2048 keys measured best
+// over 640 / 1024 / 2048 / 4096 (H200, Qwen3-8B heads, mode time / automatic launch's: batch 1 at
+// 512 / 1024 / 4096 / 32768 keys 7.6 / 11.5 / 20.9 / 36.8 us vs 5.7 / 6.0 / 8.2 / 36.7; B = 16 at 2k
+// 1.00x; B = 64 / 256 at 1k 1.05x / 1.02x (1.06x under a 40960-key bound); B = 128 at 2k 1.00x);
+// 640 gave batch 1 at 1k 9.4 us but B = 256 1.17x (1.89x under a 40960-key bound), 4096 gave
+// B = 256 1.01x but batch 1 at 4k 35.4 us.
 LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms, bool batch_invariant) {
   if (batch_invariant) return LaunchChoice{split_shape_fits(), true, false, true, true};
   const bool fills_gpu = int64_t{batch} * kv_ctas >= num_sms;
@@ -739,10 +769,27 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
 
   const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
   if (c.invariant) {
+    const int split_tiles = kInvariantSplitTiles;
     const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
-    p.num_splits = std::max(1, (ctx_tiles + kInvariantSplitTiles - 1) / kInvariantSplitTiles);
+    p.num_splits = std::max(1, (ctx_tiles + split_tiles - 1) / split_tiles);
     if (p.num_splits > p.max_splits || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
-    p.split_tiles = p.chunk_tiles = kInvariantSplitTiles;
+    p.split_tiles = p.chunk_tiles = split_tiles;
+    int loop_ctas = 1;
+    err = prepare_kernel<T, KV, true, S, true>(&loop_ctas);
+    if (err != cudaSuccess) return err;
+    // Launched splits: enough CTAs to fill every SM slot once, at most the splits there are.
+    const int slots = num_sms * loop_ctas;
+    const int launched = std::min(p.num_splits, std::max(1, (slots + base_ctas - 1) / base_ctas));
+    p.interleave = 0;
+    p.pdl = c.pdl && has_pdl ? 1 : 0;
+    const dim3 grid(launched, p.num_kv_heads * p.head_chunks, batch);
+    err = launch_pdl(paged_decode_kernel<T, KV, true, S, true>, grid, S::kThreads, kSmem,
+                     p.pdl != 0, stream, p);
+    if (err != cudaSuccess || p.num_splits == 1) return err;  // one split: every sequence alone
+    p.combine_heads = base_ctas >= slots ? p.group : 1;
+    return launch_pdl(paged_decode_combine_fast_kernel<T>,
+                      dim3(batch * p.num_q_heads / p.combine_heads),
+                      kCombineThreads, 0, has_pdl, stream, p);
   } else {
     p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
                                      S::kChunkTiles);
@@ -807,8 +854,9 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   p.max_splits = max_splits;
   p.scale_log2 = scale * kv.k_scale * 1.4426950408889634f;
   p.v_scale = kv.v_scale;
+  p.combine_heads = 1;
   const int64_t max_ctx64 = static_cast<int64_t>(max_blocks) * block_size;
-  // (batch-invariant: at most 64 fixed splits; ops.py refuses longer sequences in that mode)
+  // (batch-invariant: at most kDecodeInvariantMaxKeys; ops.py refuses longer sequences there)
   const int64_t ctx_limit = batch_invariant ? kDecodeInvariantMaxKeys : (1 << 30);
   const int max_ctx = static_cast<int>(max_ctx64 > ctx_limit ? ctx_limit : max_ctx64);
   p.ctx_cap = max_ctx;

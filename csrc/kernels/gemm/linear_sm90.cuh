@@ -37,7 +37,9 @@ namespace qwen3_kernels::linear_detail {
 template <class Element_,       // cutlass::bfloat16_t or cutlass::half_t
           class TileShape_,     // CTA tile in the CUTLASS problem: (M', N', K)
           class ClusterShape_,  // CTAs per cluster along (M', N', 1): multicast of the shared operand
-          bool kSwapAB>         // true: CUTLASS problem is out^T = w @ x^T (decode)
+          bool kSwapAB,         // true: CUTLASS problem is out^T = w @ x^T (decode)
+          bool kCooperative = true>  // false: one consumer warp group, a 64-row tile, one tile
+                                     // per CTA (data-parallel only)
 struct Sm90Gemm {
   // In both orientations the two operands are K-major (x and w are row-major [., K]), which is
   // what wgmma reads without a transpose; only the role of x and w and the output layout change.
@@ -60,9 +62,15 @@ struct Sm90Gemm {
   using OperatorClass      = cutlass::arch::OpClassTensorOp;                // tensor cores
   using TileShape          = TileShape_;                                    // see the config TUs
   using ClusterShape       = ClusterShape_;                                 // see the config TUs
-  using KernelSchedule     = cutlass::gemm::KernelTmaWarpSpecializedCooperative;  // 2 consumer WGs share a tile; stream-K needs it
-  using EpilogueSchedule   = cutlass::epilogue::TmaWarpSpecializedCooperative;    // matches the mainloop
-  using TileScheduler      = cutlass::gemm::StreamKScheduler;               // persistent; DP / split-K / stream-K at run time
+  using KernelSchedule     = cute::conditional_t<kCooperative,
+                                                 cutlass::gemm::KernelTmaWarpSpecializedCooperative,  // 2 consumer WGs share a tile; stream-K needs it
+                                                 cutlass::gemm::KernelTmaWarpSpecialized>;  // 1 consumer WG
+  using EpilogueSchedule   = cute::conditional_t<kCooperative,
+                                                 cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                                 cutlass::epilogue::TmaWarpSpecialized>;  // matches the mainloop
+  using TileScheduler      = cute::conditional_t<kCooperative,
+                                                 cutlass::gemm::StreamKScheduler,  // persistent; DP / split-K / stream-K at run time
+                                                 void>;  // a grid of one CTA per tile
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       ArchTag, OperatorClass, TileShape, ClusterShape,
@@ -114,20 +122,22 @@ struct Sm90Gemm {
          nullptr, cutlass::make_cute_packed_stride(StrideC{}, {pm, pn, 1}),
          static_cast<Element*>(p.out), cutlass::make_cute_packed_stride(StrideD{}, {pm, pn, 1})},
         hw_info};
-    switch (p.decomposition) {
-      case Decomposition::kDataParallel:
-        args.scheduler.decomposition_mode = DecompositionMode::DataParallel;
-        break;
-      case Decomposition::kSplitK:
-        args.scheduler.decomposition_mode = DecompositionMode::SplitK;
-        args.scheduler.splits = p.splits;
-        break;
-      case Decomposition::kStreamK:
-        args.scheduler.decomposition_mode = DecompositionMode::StreamK;
-        break;
-      default:
-        args.scheduler.decomposition_mode = DecompositionMode::Heuristic;
-        break;
+    if constexpr (kCooperative) {  // else data-parallel by construction
+      switch (p.decomposition) {
+        case Decomposition::kDataParallel:
+          args.scheduler.decomposition_mode = DecompositionMode::DataParallel;
+          break;
+        case Decomposition::kSplitK:
+          args.scheduler.decomposition_mode = DecompositionMode::SplitK;
+          args.scheduler.splits = p.splits;
+          break;
+        case Decomposition::kStreamK:
+          args.scheduler.decomposition_mode = DecompositionMode::StreamK;
+          break;
+        default:
+          args.scheduler.decomposition_mode = DecompositionMode::Heuristic;
+          break;
+      }
     }
     return args;
   }

@@ -397,7 +397,7 @@ def test_cpu_batch_invariant_attention_traces_under_torch_compile_fullgraph(op):
 # lm_head (vocab 151936), and an odd small one
 LINEAR_SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (4096, 1024),
                  (151936, 1024), (136, 72)]
-LINEAR_M = [1, 2, 3, 7, 8, 16, 17, 31, 64, 100, 128, 129, 200, 256]
+LINEAR_M = [1, 2, 3, 7, 8, 16, 17, 31, 32, 33, 64, 65, 100, 128, 129, 192, 193, 200, 256]
 
 
 def _linear_rows_mismatch(x, w, full, ms, offset):
@@ -437,7 +437,8 @@ def test_cuda_linear_large_m(n, k, dtype):
     x, w = linear_inputs(4096, n, k, dtype, seed=n * 3 + k)
     full = qwen3_kernels.linear(x, w, batch_invariant=True)
     linear_fa3_check(x, w, full)
-    bad = (_linear_rows_mismatch(x, w, full, [1, 255, 1000, 2048, 3001, 4095, 4096], 0)
+    bad = (_linear_rows_mismatch(x, w, full, [1, 255, 300, 512, 513, 1000, 2048, 3001, 4095,
+                                              4096], 0)
            + _linear_rows_mismatch(x, w, full, [1000, 2048, 4000], 64))
     assert not bad, f"(first row, M) whose rows differ from the M = 4096 run: {bad}"
 

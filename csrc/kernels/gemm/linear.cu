@@ -4,12 +4,10 @@
 //
 // batch_invariant (the deterministic mode): CUTLASS tiles run data-parallel only (each output
 // tile's whole K loop in one CTA, k16 wgmma steps in order from k = 0, no split-K or stream-K), so
-// an output's sum is the same chain of the same instruction whatever M is: operands swapped with
-// 128 weight rows x 16 tokens up to kInvariantTinyM tokens, the 128x32 tile up to
-// kInvariantSmallM (N / 32 CTAs stream the weight of a decode step), the 128x128 tile above.
-// The tiles run the same wgmma k-steps on each output and give the same bits
-// (tests/test_batch_invariant_ops.py checks it at every shape). sm_90 only; elsewhere the
-// launcher refuses (cuBLAS picks its kernel, split-K included, by M).
+// an output's sum is the same chain of the same instruction whatever M is, and every such tile
+// gives the same bits (tests/test_batch_invariant_ops.py checks it at every shape). Which tile
+// then only decides the speed, so choose_invariant picks it by (M, N) from a measurement (below).
+// sm_90 only; elsewhere the launcher refuses (cuBLAS picks its kernel, split-K included, by M).
 //
 // The rule (Hopper, sm_90; any other GPU runs cuBLAS):
 //   - M == 1: the weight-streaming GEMV (linear_gemv.cu) for every shape. bench_linear.py's gemv
@@ -50,7 +48,8 @@ namespace linear_detail {
 namespace {
 
 enum class Config {
-  kGemv, kSplitK, kTile128x128, kTile128x256, kTile128x32, kSwap128x16,
+  kGemv, kSplitK, kTile128x128, kTile128x256,
+  kSwap64x16, kSwap64x32, kSwap64x64, kSwap64x128, kSwap128x64, kSwap128x128,  // batch-invariant
   kCublas,  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
   kUnsupported  // batch-invariant on a GPU without the sm_90 kernels
 };
@@ -100,20 +99,39 @@ constexpr Row kTable[] = {
                {t256(DP),  CB,        CB,        t256(SK),  CB,        CB}},
 };
 
-constexpr int64_t kInvariantTinyM = 16;
-constexpr Choice kInvariantTiny = {Config::kSwap128x16, DP, 0};
-constexpr int64_t kInvariantSmallM = 128;
-constexpr Choice kInvariantSmall = {Config::kTile128x32, DP, 0};
-constexpr Choice kInvariant = t128(DP);
+constexpr Choice dp(Config c) { return {c, DP, 0}; }
+
+// batch_invariant: the fastest data-parallel tile by (M, N), from benchmarks/probe_bi.py on branch
+// experiment/bi-shapes (H200, bf16, Qwen3-8B's projections: QKV N 6144, o 4096, gate_up 24576,
+// down 4096 with K 12288, LM head 151936; at M = 1..64, and 64..2048 in steps of the decode
+// graphs' buckets). Swapping puts the weight rows on the 64- or 128-row side of the tile, so few
+// tokens neither pad a 128-row tile nor leave too few CTAs to stream the weight; tiles whose
+// token side has rows past M (out of bounds for TMA) cost up to 2x at the same M. Mode time /
+// automatic choice's at M = 1 (the GEMV): 1.09 / 1.14 / 1.06 / 1.07 / 1.04 (QKV / o / gate_up /
+// down / LM head); the range over the five at M = 32: 0.85-1.02; 64: 0.86-1.08; 128: 0.97-1.11;
+// 256: 0.87-1.13; 512: 0.95-1.18; 1024: 0.95-1.05; 2048: 0.94-1.07.
+constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
+  const bool lm_head = n >= 65536;  // the vocabulary
+  const bool wide = n > 8192;       // gate_up; QKV, o and down are at most 8192 wide
+  if (m <= 16) return dp(Config::kSwap64x16);
+  if (m <= 32) return dp(Config::kSwap64x32);
+  if (m <= 64) return dp(Config::kSwap64x64);
+  if (m <= 128)
+    return dp(lm_head ? Config::kSwap128x128 : wide ? Config::kSwap128x64 : Config::kSwap64x128);
+  if (m <= 256) {
+    if (lm_head || (wide && m <= 192)) return t256(DP);
+    return n > 4096 ? t128(DP) : dp(Config::kSwap128x64);
+  }
+  if (m <= 512) return dp(n > 4096 && !wide ? Config::kSwap128x64 : Config::kSwap128x128);
+  return wide || k > 8192 ? t256(DP) : t128(DP);
+}
+
 constexpr Choice kUnsupported = {Config::kUnsupported, H, 0};
 
 // The rule at the top of the file. cc: the device's compute capability (major * 10 + minor).
 Choice choose(int64_t m, int64_t n, int64_t k, int cc, bool batch_invariant) {
   if (cc != 90) return batch_invariant ? kUnsupported : CB;  // sm_90a code runs on 9.0 exactly
-  if (batch_invariant) {
-    if (m <= kInvariantTinyM) return kInvariantTiny;
-    return m <= kInvariantSmallM ? kInvariantSmall : kInvariant;
-  }
+  if (batch_invariant) return choose_invariant(m, n, k);
   if (m == 1) return GEMV;
   for (int col = 0; col < kQkvShapes; ++col) {
     if (kQkv[col].n != n || kQkv[col].k != k) continue;
@@ -161,10 +179,16 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x128_bf16_workspace(p) : sm90_tile_128x128_fp16_workspace(p);
     case Config::kTile128x256:
       return bf16 ? sm90_tile_128x256_bf16_workspace(p) : sm90_tile_128x256_fp16_workspace(p);
-    case Config::kTile128x32:
-      return bf16 ? sm90_tile_128x32_bf16_workspace(p) : sm90_tile_128x32_fp16_workspace(p);
-    case Config::kSwap128x16:
-      return bf16 ? sm90_swap_128x16_bf16_workspace(p) : sm90_swap_128x16_fp16_workspace(p);
+#define QWEN3_LINEAR_WORKSPACE(CONFIG, NAME) \
+    case Config::CONFIG:                      \
+      return bf16 ? sm90_##NAME##_bf16_workspace(p) : sm90_##NAME##_fp16_workspace(p);
+    QWEN3_LINEAR_WORKSPACE(kSwap64x16, swap_64x16)
+    QWEN3_LINEAR_WORKSPACE(kSwap64x32, swap_64x32)
+    QWEN3_LINEAR_WORKSPACE(kSwap64x64, swap_64x64)
+    QWEN3_LINEAR_WORKSPACE(kSwap64x128, swap_64x128)
+    QWEN3_LINEAR_WORKSPACE(kSwap128x64, swap_128x64)
+    QWEN3_LINEAR_WORKSPACE(kSwap128x128, swap_128x128)
+#undef QWEN3_LINEAR_WORKSPACE
     default:
       return 0;
   }
@@ -180,10 +204,16 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
       return bf16 ? sm90_tile_128x128_bf16(p) : sm90_tile_128x128_fp16(p);
     case Config::kTile128x256:
       return bf16 ? sm90_tile_128x256_bf16(p) : sm90_tile_128x256_fp16(p);
-    case Config::kTile128x32:
-      return bf16 ? sm90_tile_128x32_bf16(p) : sm90_tile_128x32_fp16(p);
-    case Config::kSwap128x16:
-      return bf16 ? sm90_swap_128x16_bf16(p) : sm90_swap_128x16_fp16(p);
+#define QWEN3_LINEAR_RUN(CONFIG, NAME) \
+    case Config::CONFIG:                \
+      return bf16 ? sm90_##NAME##_bf16(p) : sm90_##NAME##_fp16(p);
+    QWEN3_LINEAR_RUN(kSwap64x16, swap_64x16)
+    QWEN3_LINEAR_RUN(kSwap64x32, swap_64x32)
+    QWEN3_LINEAR_RUN(kSwap64x64, swap_64x64)
+    QWEN3_LINEAR_RUN(kSwap64x128, swap_64x128)
+    QWEN3_LINEAR_RUN(kSwap128x64, swap_128x64)
+    QWEN3_LINEAR_RUN(kSwap128x128, swap_128x128)
+#undef QWEN3_LINEAR_RUN
     case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
     case Config::kUnsupported:
       return cudaErrorNotSupported;

@@ -8,10 +8,12 @@
 //      decomposition (data-parallel, split-K with S splits, stream-K, or CUTLASS's heuristic) is a
 //      runtime argument: one instantiation covers every way of cutting the work.
 //   3. Swapped operands (kSwapAB) for few tokens: out^T[N, M] = w[N, K] @ x[M, K]^T puts the
-//      weight rows on the 128-wide M side of the wgmma tile instead of padding 1..64 tokens up to
-//      a 128-row tile; out^T is out read column-major, so no transpose is needed. No cell of the
-//      choice table picks it (cuBLAS was faster there); its config TUs (swap_128x64) are kept on
-//      branch experiment/kernel-launch-variants.
+//      weight rows on the 64- or 128-wide M side of the wgmma tile instead of padding 1..64
+//      tokens up to a 128-row tile; out^T is out read column-major, so no transpose is needed.
+//      The batch-invariant mode's small-M tiles (swap_*); the default table picks none (cuBLAS
+//      was faster there).
+//   4. kCooperative = false: one consumer warp group on a 64-row tile, one tile per CTA (CUTLASS's
+//      KernelTmaWarpSpecialized): twice the CTAs of a 128-row tile on a decode step's weight.
 //
 // Each instantiation lives in its own TU (linear_<config>_<dtype>.cu) so the build parallelises;
 // this header is included only there. No torch headers: kernels are plain CUDA, and only

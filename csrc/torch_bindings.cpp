@@ -212,7 +212,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
 
 // kernels/gemm/linear.cu picks the kernel from the shape; where it picks cuBLAS (or the GPU is
 // not sm_90) this runs at::mm_out: the same result, so the op works wherever the extension loads.
-// batch_invariant: one CUTLASS configuration for every M (sm_90; linear.cu refuses elsewhere).
+// batch_invariant: CUTLASS tiles that all give the same bits (sm_90; linear.cu refuses elsewhere).
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, bool batch_invariant) {
   const char* op = "linear";
   const DType dt = half_dtype(x, op);

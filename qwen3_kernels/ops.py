@@ -20,9 +20,9 @@ One contract per op, in this file:
     skip them (``trusted_inputs()``), while its tests and every other caller keep them.
   - Batch invariance. ``batch_invariant=True`` (rms_norm, fused_add_rms_norm, linear,
     paged_attention_decode / _prefill; the engine's deterministic mode) makes each output row a
-    function of its own inputs alone, bit for bit, whatever else shares the call: one launch
-    configuration for every batch (csrc/include/qwen3_kernels/launchers.h), and in the references
-    one row (one query) at a time. The other ops compute each row alone already. On CUDA it needs
+    function of its own inputs alone, bit for bit, whatever else shares the call: each row's sums
+    run in an order fixed by its own shape, never by the batch (csrc/include/qwen3_kernels/
+    launchers.h), and in the references one row (one query) at a time. The other ops compute each row alone already. On CUDA it needs
     the sm_90 kernels (a ValueError elsewhere) and contexts of at most
     BATCH_INVARIANT_MAX_CONTEXT keys.
   - Index checks. The values inside the index tensors (positions, slot_mapping, block_tables,

@@ -35,8 +35,8 @@ queries in the call, on the CPU (MKL's fp32 GEMM, the reference attention's batc
 CUDA, so a request's logprobs change in their last bits with the batch (the tests show that too).
 The mode computes every row the same way whatever the batch: on the CPU F.linear one row at a
 time (``qwen3_model.layers.linear.row_invariant_linear``) and the attention one query at a time
-(``qwen3_kernels.reference._attention_invariant``); on CUDA one kernel configuration per op for
-every batch.
+(``qwen3_kernels.reference._attention_invariant``); on CUDA kernels whose per-row order of
+sums the batch does not change.
 """
 
 from __future__ import annotations

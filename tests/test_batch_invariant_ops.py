@@ -3,8 +3,8 @@ row is a function of its own inputs alone, bit for bit (torch.equal), whatever e
 
 What holds, and what is checked here:
   - linear: row i of a call on x [M, K] equals that row computed in any other call holding it, at
-    any position, for any M (CPU: the reference, one row at a time; CUDA: one CUTLASS
-    configuration for every M, at Qwen3's projection shapes, M up to 4096).
+    any position, for any M (CPU: the reference, one row at a time; CUDA: data-parallel
+    CUTLASS tiles picked by M and N, at Qwen3's projection shapes, M up to 4096).
   - rms_norm / fused_add_rms_norm: the rows of a call on the first T rows equal those of the call
     on all 4096 (CUDA: one launch configuration for every T; CPU: the reference, per row already).
   - paged_attention_decode: a sequence's row equals its batch-of-one result whatever the other

@@ -30,9 +30,10 @@ cudaError_t silu_and_mul(void* out,            // [T, I], row stride out_stride 
                          int64_t x_stride, DType dtype, cudaStream_t stream);
 
 // ---- batch invariance -------------------------------------------------------------------------
-// batch_invariant (the engine's deterministic mode): the launch is the same for every batch, so
-// each output row is a function of its own inputs alone, bit for bit, whatever T or B is (norm.cu,
-// decode.cu, linear.cu; prefill runs every query token as decode would, torch_bindings.cpp).
+// batch_invariant (the engine's deterministic mode): each output row's sums run in an order fixed
+// by its own shape, never by the batch, so the row is a function of its own inputs alone, bit for
+// bit, whatever T or B is (norm.cu, decode.cu, linear.cu; prefill runs every query token as
+// decode would, torch_bindings.cpp).
 // Decode's splits then cover this many keys each, from key 0, up to kDecodeInvariantMaxKeys keys
 // (Qwen3's max_position_embeddings; the combine holds at most 64 splits).
 constexpr int kDecodeInvariantSplitKeys = 2048;
@@ -105,8 +106,8 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
 // table on the Qwen3 QKV shapes, cuBLAS elsewhere and on any GPU but sm_90).
 // Whether that choice is cuBLAS: the caller then runs cuBLAS itself; linear() would return
 // cudaErrorNotSupported.
-// batch_invariant: one CUTLASS configuration without K splits for every M (sm_90 only: elsewhere
-// linear() returns cudaErrorNotSupported and linear_prefers_cublas false).
+// batch_invariant: CUTLASS tiles without K splits, which all give the same bits, picked by shape
+// (sm_90 only: elsewhere linear() returns cudaErrorNotSupported and linear_prefers_cublas false).
 bool linear_prefers_cublas(int64_t m, int64_t n, int64_t k, bool batch_invariant);
 // Bytes of workspace the chosen configuration needs (0 for many; stream-K partials otherwise).
 size_t linear_workspace_size(int64_t m, int64_t n, int64_t k, bool batch_invariant, DType dtype);

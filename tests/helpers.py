@@ -1,4 +1,6 @@
 """Shared by the tests: the CUDA skip marker and the error measure."""
+import contextlib
+
 import pytest
 import torch
 
@@ -8,6 +10,24 @@ HAS_CUDA = torch.cuda.is_available() and qwen3_kernels.has_cuda_kernels()
 
 # Tests that need a GPU with the built extension use `@requires_cuda`; they skip cleanly elsewhere.
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the built extension")
+
+
+def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
+    """Qwen3ForCausalLM built from the checkpoint at ``path`` (its config.json) on ``device`` in
+    ``dtype`` (the current defaults where None), with the checkpoint's weights loaded."""
+    from qwen3_model.loader import load_hf_config, load_model
+    from qwen3_model.models.qwen3 import Qwen3ForCausalLM
+
+    prev = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = Qwen3ForCausalLM(load_hf_config(path))
+    finally:
+        torch.set_default_dtype(prev)
+    load_model(model, path)
+    return model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

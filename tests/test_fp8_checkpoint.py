@@ -29,6 +29,7 @@ from qwen3_model.random_checkpoint import (
     quantize_weight_fp8,
     write_random_checkpoint,
 )
+from tests.helpers import load_checkpoint
 from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from tests.qwen3_tiny import make_tiny_qwen3
 
@@ -51,11 +52,6 @@ def blocks(n: int) -> int:
 def build(path) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(load_hf_config(path))
 
-
-def load(path) -> Qwen3ForCausalLM:
-    model = build(path)
-    load_model(model, path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +168,7 @@ def test_multi_file_checkpoint_loads_like_one_file(fp8_ckpt, tmp_path):
     assert len(files) > 2 and (sharded / "model.safetensors.index.json").is_file()
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert any(k.endswith("weight_scale_inv") for k in index["weight_map"])
-    a, b = load(fp8_ckpt), load(sharded)  # the same seed: the same weights
+    a, b = load_checkpoint(fp8_ckpt), load_checkpoint(sharded)  # the same seed: the same weights
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb and pa.dtype == pb.dtype
         assert torch.equal(pa.view(torch.uint8) if pa.dtype == E4M3 else pa,
@@ -187,7 +183,7 @@ def test_quantize_and_dequantize_checkpoint_folders(tmp_path):
     assert json.loads((fp8 / "config.json").read_text())["quantization_config"] == QWEN_FP8_CONFIG
     cfg = json.loads((bf16 / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["dtype"] == "bfloat16"
-    m8, m16 = load(fp8), load(bf16)
+    m8, m16 = load_checkpoint(fp8), load_checkpoint(bf16)
     assert m8.quantization == "fp8" and m16.quantization is None
     qkv8 = m8.model.layers[1].self_attn.qkv_proj
     qkv16 = m16.model.layers[1].self_attn.qkv_proj
@@ -237,7 +233,7 @@ def test_unquantized_modules_that_are_bf16_anyway_are_accepted(fp8_ckpt, tmp_pat
     ckpt = copy(fp8_ckpt, tmp_path)
     edit_config(ckpt, lambda c: c["quantization_config"].update(
         modules_to_not_convert=["lm_head", "model.embed_tokens", "norm"]))
-    assert load(ckpt).quantization == "fp8"
+    assert load_checkpoint(ckpt).quantization == "fp8"
 
 
 @pytest.mark.parametrize("value,kind", [(float("nan"), "NaN"), (float("inf"), "Inf"),

@@ -16,9 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen3_model import LLM, SamplingParams
-from qwen3_model.loader import load_hf_config, load_model
-from qwen3_model.models.qwen3 import Qwen3ForCausalLM
 from qwen3_model.random_checkpoint import dequantize_checkpoint, quantize_checkpoint
+from tests.helpers import load_checkpoint
 from tests.helpers import one_thread, rel_err  # noqa: F401  (autouse: one intra-op thread)
 from tests.qwen3_tiny import make_tiny_qwen3
 from tests.test_fp8_checkpoint import FP8_TINY
@@ -45,15 +44,9 @@ def ckpts(tmp_path_factory):
     return str(fp8), str(bf16)
 
 
-def load(path) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM(load_hf_config(path))
-    load_model(model, path)
-    return model
-
-
 def test_fp8_logits_match_the_dequantized_model(ckpts):
     fp8, bf16 = ckpts
-    m8, m16 = load(fp8), load(bf16)
+    m8, m16 = load_checkpoint(fp8), load_checkpoint(bf16)
     assert m8.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     got, _ = run_steps(m8, SHAPE["vocab_size"])
     want, _ = run_steps(m16, SHAPE["vocab_size"])
@@ -71,7 +64,7 @@ def _worker(rank, world, port, path, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = load(path)
+        model = load_checkpoint(path)
         logits, hidden = run_steps(model, model.config.vocab_size)
         layer = model.model.layers[0]
         shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()
@@ -86,7 +79,7 @@ def test_tp2_fp8_logits_match_world_size_1(ckpts, tmp_path):
     fp8, _ = ckpts
     mp.spawn(_worker, args=(2, free_port(), fp8, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    want_logits, want_hidden = run_steps(load(fp8), SHAPE["vocab_size"])
+    want_logits, want_hidden = run_steps(load_checkpoint(fp8), SHAPE["vocab_size"])
     # every activation group lies within one rank's slice (K per rank a multiple of 128), so
     # each rank quantizes exactly what world size 1 does: only fp32 summation order differs
     assert rel_err(ranks[0]["logits"], want_logits) <= 1e-5

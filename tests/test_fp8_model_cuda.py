@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from qwen3_model import LLM, SamplingParams
-from qwen3_model.loader import load_hf_config, load_model
-from qwen3_model.models.qwen3 import Qwen3ForCausalLM
 from qwen3_model.random_checkpoint import dequantize_checkpoint, quantize_checkpoint
+from tests.helpers import load_checkpoint
 from tests.helpers import rel_err, requires_cuda
 from tests.paged_runner import PagedRunner
 from tests.qwen3_tiny import make_tiny_qwen3
@@ -49,18 +48,6 @@ def ckpts(tmp_path_factory):
     return str(fp8), str(bf16)
 
 
-def load(path, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(load_hf_config(path))
-    finally:
-        torch.set_default_dtype(prev)
-    load_model(model, path)
-    return model.eval()
-
-
 def steps(model) -> torch.Tensor:
     """A two-sequence prefill, a one-token decode (M = 1: the FP8 GEMV), then a step mixing a
     prefill with two decodes -> fp32 logits of every token [T, vocab] on the CPU."""
@@ -76,10 +63,10 @@ def steps(model) -> torch.Tensor:
 
 def test_fp8_logits_on_gpu(ckpts):
     fp8, bf16 = ckpts
-    got = steps(load(fp8, "cuda", torch.bfloat16))
-    deq = steps(load(bf16, "cuda", torch.bfloat16))
-    spec = steps(load(fp8, "cpu", torch.float32))  # linear_fp8's fp32 reference
-    deq32 = steps(load(bf16, "cpu", torch.float32))
+    got = steps(load_checkpoint(fp8, "cuda", torch.bfloat16))
+    deq = steps(load_checkpoint(bf16, "cuda", torch.bfloat16))
+    spec = steps(load_checkpoint(fp8, "cpu", torch.float32))  # linear_fp8's fp32 reference
+    deq32 = steps(load_checkpoint(bf16, "cpu", torch.float32))
     e_deq, e_ref = rel_err(got, deq), rel_err(got, spec)
     print(f"\nFP8 logits on {torch.cuda.get_device_name()}: rel err vs dequantized bf16 "
           f"{e_deq:.4f}, vs the FP8 fp32 reference {e_ref:.4f} (bf16 dequantized vs its fp32: "

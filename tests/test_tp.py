@@ -15,9 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import qwen3_kernels
-from qwen3_model.loader import load_hf_config, load_model
 from qwen3_model.models.qwen3 import Qwen3ForCausalLM
-from tests.helpers import rel_err
+from tests.helpers import load_checkpoint, rel_err
 from tests.paged_runner import PagedRunner
 from tests.qwen3_tiny import TINY_CONFIGS, make_tiny_qwen3, tiny_config
 from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
@@ -50,12 +49,6 @@ def run_steps(model, vocab, **runner_kw):
         return model.compute_logits(hidden), hidden
 
 
-def load_ours(path):
-    model = Qwen3ForCausalLM(load_hf_config(path))
-    load_model(model, path)
-    return model
-
-
 def _worker(rank, world, port, paths, out_dir):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -64,7 +57,7 @@ def _worker(rank, world, port, paths, out_dir):
     try:
         results = {}
         for name, path in paths.items():
-            model = load_ours(path)
+            model = load_checkpoint(path)
             logits, hidden = run_steps(model, model.config.vocab_size)
             attn = model.model.layers[0].self_attn
             results[name] = {"logits": logits, "hidden": hidden, "heads": (attn.num_heads, attn.num_kv_heads),
@@ -102,7 +95,7 @@ def tp_run(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_logits_match_world_size_1(tp_run, name):
     paths, ranks = tp_run
-    want_logits, want_hidden = run_steps(load_ours(paths[name]), CASES[name]["vocab_size"])
+    want_logits, want_hidden = run_steps(load_checkpoint(paths[name]), CASES[name]["vocab_size"])
     got = ranks[0]["results"][name]["logits"]
     assert got.shape == want_logits.shape
     err = rel_err(got, want_logits)

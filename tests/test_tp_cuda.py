@@ -12,9 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qwen3_model.loader import load_hf_config, load_model
-from qwen3_model.models.qwen3 import Qwen3ForCausalLM
-from tests.helpers import HAS_CUDA, rel_err
+from tests.helpers import HAS_CUDA, load_checkpoint, rel_err
 from tests.qwen3_tiny import TINY_CONFIGS, make_tiny_qwen3
 from tests.test_tp import free_port, run_steps
 
@@ -34,18 +32,6 @@ CASES = {  # name -> (spec, dtype, tolerance vs one GPU)
 CLEAN = dict(poison=False, pad_block=0)
 
 
-def load_on(path, device, dtype):
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(load_hf_config(path))
-    finally:
-        torch.set_default_dtype(prev)
-    load_model(model, path)
-    return model
-
-
 def _worker(rank, world, port, paths, out_dir):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -55,7 +41,7 @@ def _worker(rank, world, port, paths, out_dir):
         results = {}
         for name, path in paths.items():
             _, dtype, _ = CASES[name]
-            model = load_on(path, f"cuda:{rank}", dtype)
+            model = load_checkpoint(path, f"cuda:{rank}", dtype)
             logits, _ = run_steps(model, model.config.vocab_size, **CLEAN)
             results[name] = None if logits is None else logits.cpu()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -72,7 +58,8 @@ def test_tp2_nccl_logits_match_one_gpu(tmp_path):
     got = torch.load(tmp_path / "rank0.pt")
     assert all(v is None for v in torch.load(tmp_path / "rank1.pt").values())
     for name, (_, dtype, tol) in CASES.items():
-        want, _ = run_steps(load_on(paths[name], "cuda:0", dtype), CASES[name][0]["vocab_size"], **CLEAN)
+        want, _ = run_steps(load_checkpoint(paths[name], "cuda:0", dtype),
+                            CASES[name][0]["vocab_size"], **CLEAN)
         err = rel_err(got[name], want.cpu())
         print(f"\n{name} ({dtype}): TP=2 vs one GPU rel err {err:.2e}")
         assert not got[name].isnan().any()

@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 from qwen3_model import LLM, SamplingParams
 from tests.helpers import one_thread, rel_err  # noqa: F401  (autouse: one intra-op thread)
 from tests.qwen3_tiny import make_tiny_qwen3
-from tests.test_tp import free_port, load_ours, run_steps
+from tests.helpers import load_checkpoint
+from tests.test_tp import free_port, run_steps
 
 CASES = {  # vocab, MLP and q heads divide by 8
     "kv8_split": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -37,7 +38,7 @@ def _worker(rank, world, port, paths, out_dir):
     try:
         results = {}
         for name, path in paths.items():
-            model = load_ours(path)
+            model = load_checkpoint(path)
             logits, hidden = run_steps(model, model.config.vocab_size)
             attn = model.model.layers[0].self_attn
             results[name] = {"logits": logits, "hidden": hidden,
@@ -68,7 +69,7 @@ def tp_run(request, ckpts, tmp_path_factory):
 def test_wide_tp_logits_match_world_size_1(tp_run, ckpts, name):
     world, ranks = tp_run
     spec = CASES[name]
-    want_logits, want_hidden = run_steps(load_ours(ckpts[name]), spec["vocab_size"])
+    want_logits, want_hidden = run_steps(load_checkpoint(ckpts[name]), spec["vocab_size"])
     err = rel_err(ranks[0][name]["logits"], want_logits)
     assert err <= 1e-5, f"{name}: TP={world} logits differ from world size 1 by rel err {err:.2e}"
     kv_local = max(1, spec["num_key_value_heads"] // world)

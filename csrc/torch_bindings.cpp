@@ -137,17 +137,16 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
 // Batch-invariant prefill: each query token runs as the decode query at its position would (the
 // decode kernel's fixed splits, launchers.h), so its output depends neither on the batch, nor on
 // how the prompt was chunked, nor on whether prefill or decode computed it (a preempted
-// sequence's recompute). Each token becomes a one-token sequence: its sequence's block-table row
-// and the keys up to itself. Tokens run in groups so the split workspace stays under 64 MiB.
-// Each token re-reads its keys (mostly from L2): 16-17x the time of the prefill kernel on 8 x 512,
-// 1 x 2048 and 4 x 1024 tokens of Qwen3-8B heads (H200); several tokens of a sequence sharing one
-// CTA's K/V tiles would cut that by the rows a CTA holds (16 / group).
+// sequence's recompute). Each token is a row of a decode batch: its sequence's block-table row
+// and the keys up to itself. A CTA takes up to 16 / group consecutive tokens of one sequence
+// (cta_first / cta_count) and reads their keys once; each row's result is the one it gets alone.
+// Tokens run in chunks so the split workspace stays under 64 MiB.
 void prefill_as_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
                        const at::Tensor& seq_lens_k, const at::Tensor& block_tables, double scale,
                        DType dt, qwen3_kernels::KvCache kv) {
   const char* op = "paged_attention_prefill";
-  const int64_t tq = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t tq = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2);
   const int64_t nseq = cu_seqlens_q.size(0) - 1;
   const at::Tensor ends = cu_seqlens_q.slice(0, 1, nseq + 1);       // [B] int32
   const at::Tensor tok = at::arange(tq, cu_seqlens_q.options());    // [Tq] int32
@@ -156,6 +155,12 @@ void prefill_as_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const at::Tensor lens =
       (seq_lens_k.index_select(0, seq) - ends.index_select(0, seq) + tok + 1).to(at::kInt);
   const at::Tensor tables = block_tables.index_select(0, seq);      // [Tq, max_blocks]
+  // Tokens a CTA takes: 16 rows of q heads; a token opens a CTA at its sequence's first token and
+  // every per_cta tokens after (and at a chunk's first token, below).
+  const int64_t group_heads = hq / hkv;
+  const int64_t per_cta = group_heads <= 16 ? 16 / group_heads : 1;
+  const at::Tensor opens =
+      at::remainder(tok - cu_seqlens_q.index_select(0, seq), per_cta).eq(0);  // [Tq] bool
   const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t max_ctx =
       std::min<int64_t>(max_blocks * block_size, qwen3_kernels::kDecodeInvariantMaxKeys);
@@ -163,20 +168,32 @@ void prefill_as_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       1, (max_ctx + qwen3_kernels::kDecodeInvariantSplitKeys - 1) /
              qwen3_kernels::kDecodeInvariantSplitKeys);
   const int64_t per_token = hq * splits * (d + 1);  // floats
-  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(tq, (int64_t{64} << 20) / 4 / per_token));
-  at::Tensor ws = at::empty({group, hq, splits, d + 1}, q.options().dtype(at::kFloat));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(tq, (int64_t{64} << 20) / 4 / per_token));
+  at::Tensor ws = at::empty({chunk, hq, splits, d + 1}, q.options().dtype(at::kFloat));
   const int64_t row = hq * d * q.element_size();  // bytes of one token's q / out
-  for (int64_t t0 = 0; t0 < tq; t0 += group) {
-    const int n = static_cast<int>(std::min(group, tq - t0));
+  for (int64_t t0 = 0; t0 < tq; t0 += chunk) {
+    const int64_t n = std::min(chunk, tq - t0);
+    // The chunk's CTAs: group ids from the opening tokens, each group's first token and count
+    // (no host sync; at most n / per_cta + nseq + 1 groups, unused ones first = -1).
+    at::Tensor open = opens.slice(0, t0, t0 + n).clone();
+    open.slice(0, 0, 1).fill_(true);
+    const at::Tensor gid = open.cumsum(0) - 1;                            // [n] int64
+    const int64_t groups = std::min<int64_t>(n, n / per_cta + nseq + 1);
+    const at::Tensor local = at::arange(n, cu_seqlens_q.options());     // [n] int32
+    const at::Tensor first = at::full({groups}, -1, cu_seqlens_q.options())
+                                 .scatter_reduce_(0, gid, local, "amin", /*include_self=*/false);
+    const at::Tensor count =
+        at::zeros({groups}, cu_seqlens_q.options()).scatter_add_(0, gid, at::ones_like(local));
     check_launch(qwen3_kernels::paged_attention_decode(
                      static_cast<char*>(out.data_ptr()) + t0 * row,
                      static_cast<const char*>(q.data_ptr()) + t0 * row, k_cache.data_ptr(),
                      v_cache.data_ptr(), tables.data_ptr<int32_t>() + t0 * max_blocks,
-                     lens.data_ptr<int32_t>() + t0, ws.data_ptr<float>(), n,
-                     static_cast<int>(hq), static_cast<int>(k_cache.size(2)), static_cast<int>(d),
+                     lens.data_ptr<int32_t>() + t0, ws.data_ptr<float>(), static_cast<int>(n),
+                     static_cast<int>(hq), static_cast<int>(hkv), static_cast<int>(d),
                      static_cast<int>(block_size), static_cast<int>(max_blocks),
                      static_cast<int>(splits), static_cast<float>(scale), num_sms(q), true, dt, kv,
-                     stream()),
+                     stream(), first.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
+                     static_cast<int>(groups)),
                  op);
   }
 }

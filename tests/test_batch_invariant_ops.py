@@ -633,6 +633,19 @@ def test_cuda_prefill_equals_decode(block_size, kv):
         decode_fa3_check(rows, like, pr.queries(b, p, p + c).contiguous(), SCALE)
 
 
+@requires_sm90
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (16, 8), (40, 8), (64, 4), (64, 2)])
+def test_cuda_prefill_equals_decode_any_group(hq, hkv):
+    """A decode CTA of the prefill holds 16 / group consecutive tokens of one sequence (16, 8, 3,
+    1 here; 1 where a group spans two 16-head chunks): rows of every group size, chunks that start
+    and end inside a CTA's tokens and prompts shorter than one CTA's tokens == decode, bit for
+    bit."""
+    specs = [(0, 300), (37, 45), (0, 1), (0, 2), (2040, 17), (5, 19)]
+    pr = Prompts(specs, hq, hkv, 16, torch.bfloat16, "cuda", seed=hq + hkv)
+    check_prefill_equals_decode(pr)
+    check_chunkings(pr, 0, [(3,), (1, 2, 17, 18, 19, 299)])
+
+
 # ---- CUDA graphs -------------------------------------------------------------------------------
 
 

@@ -85,7 +85,14 @@ cudaError_t paged_attention_decode(void* out,                    // [B, Hq, D]
                                    int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int max_splits, float scale,
                                    int num_sms, bool batch_invariant, DType dtype, KvCache kv,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream,
+                                   // batch_invariant only: CTA c reads the K/V once for the
+                                   // cta_count[c] consecutive rows from cta_first[c] (-1: none),
+                                   // which share one sequence and hold at most 16 q heads; a row's
+                                   // result is the same as when it runs alone
+                                   const int32_t* cta_first = nullptr,  // [cta_groups]
+                                   const int32_t* cta_count = nullptr,  // [cta_groups]
+                                   int cta_groups = 0);
 
 // Prefill: varlen causal, queries aligned to the end of each key sequence.
 cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]

@@ -148,6 +148,13 @@ struct Shape {
 using BatchShape = Shape<4, 3>;     // w4s3: 96 KB of shared memory, 2 CTAs per SM on H100/H200
 using SplitShape = Shape<8, 3, 1>;  // w8s3c1: 192 KB, 1 CTA per SM, chunks of 1 tile per warp
 
+// The batch-invariant launch's CTA groups (paged_attention_decode's cta_first / cta_count): a
+// kernel argument of its own, so the other launches' code does not change with it.
+struct CtaGroups {
+  const int32_t* first;  // [gridDim.z] or null (then CTA z takes batch row z alone)
+  const int32_t* count;  // [gridDim.z]
+};
+
 struct DecodeParams {
   void* out;                    // [B, Hq, 128]
   const void* q;                // [B, Hq, 128]
@@ -208,9 +215,14 @@ __device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_c) 
 // (H200, bench_attention_decode.py).
 // KV: the cache's element type (T, or uint8_t for e4m3); M: the mma's 16-bit type.
 // One split of one (sequence, kv head, head chunk): the whole CTA, shared memory included.
-template <typename T, typename KV, bool kSplit, typename S>
+// kMulti (the batch-invariant launch): the CTA's rows are the q heads of ntok consecutive rows b ..
+// b + ntok - 1 of the batch (prefill_as_decode's query tokens of one sequence; one row b =
+// blockIdx.z without groups.first), each masked at its own length. A row's arithmetic is the same
+// whoever shares the CTA: a tile past its length only multiplies its state by 2^0 and adds zeros,
+// and a state that has seen no key stays (-inf, 0, 0), as for a warp that read nothing.
+template <typename T, typename KV, bool kSplit, typename S, bool kMulti = false>
 __device__ __forceinline__ void decode_split(const DecodeParams& p, const int split,
-                                             unsigned char* smem) {
+                                             unsigned char* smem, const CtaGroups& groups) {
   constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
   using M = std::conditional_t<kFp8, __half, T>;
   constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(KV));
@@ -220,14 +232,36 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   constexpr int kTilesPerWarpChunk = S::kTilesPerWarpChunk;
   const int kvh = blockIdx.y / p.head_chunks;
   const int chunk = blockIdx.y % p.head_chunks;
-  const int b = blockIdx.z;
+  const int b = kMulti && groups.first != nullptr ? groups.first[blockIdx.z] : blockIdx.z;
+  if constexpr (kMulti) {
+    if (b < 0) return;  // an unused group
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates: row g (and g + 8), col pair t
   const int head0 = kvh * p.group + chunk * kRows;
-  const int rows = min(kRows, p.group - chunk * kRows);
+  const int row_heads = min(kRows, p.group - chunk * kRows);  // q heads of one token here
+  const int ntok = kMulti && groups.first != nullptr
+                       ? max(1, min(groups.count[blockIdx.z], kRows / row_heads))
+                       : 1;
+  const int rows = row_heads * ntok;
+  // Row r: batch row b + r / row_heads, q head head0 + r % row_heads; its length (0 past rows).
+  auto row_bh = [&](int r) -> int64_t {
+    if constexpr (!kMulti) return static_cast<int64_t>(b) * p.num_q_heads + head0 + r;
+    return static_cast<int64_t>(b + r / row_heads) * p.num_q_heads + head0 + r % row_heads;
+  };
+  auto row_len = [&](int r) -> int {
+    return r < rows ? max(0, min(p.seq_lens[b + r / row_heads], p.ctx_cap)) : 0;
+  };
 
-  // This split's share of the sequence's tiles, from the length on the device.
-  const int seq_len = max(0, min(p.seq_lens[b], p.ctx_cap));
+  // This split's share of the sequence's tiles, from the length on the device (kMulti: the
+  // longest of the CTA's rows).
+  const int seq_len = [&] {
+    int len = max(0, min(p.seq_lens[b], p.ctx_cap));
+    if constexpr (kMulti) {
+      for (int i = 1; i < ntok; ++i) len = max(len, row_len(i * row_heads));
+    }
+    return len;
+  }();
   const int n_tiles = (seq_len + kTileKeys - 1) / kTileKeys;
   const bool interleave = kSplit && p.interleave;
   // contiguous splits: tiles [tile_begin, tile_end); warp w takes tile_begin + w + i * kWarps.
@@ -266,11 +300,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   if (alone && split > 0) return;
   if (kSplit && empty && !alone) {  // nothing to read: an empty partial, skipped by the combine
     if (threadIdx.x < rows) {
-      const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
+      const int64_t bh = kMulti ? row_bh(threadIdx.x)
+                                : static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
       p.ws_lse[bh * p.max_splits + split] = -INFINITY;
     }
     return;
   }
+  // The lengths of this lane's rows g and g + 8 (kMulti; otherwise both are seq_len).
+  const int len_lo = kMulti ? row_len(g) : seq_len;
+  const int len_hi = kMulti ? row_len(g + 8) : seq_len;
   // The sequence tile of this warp's i-th tile.
   auto tile_of = [&](int i) -> int {
     if (interleave) {
@@ -282,7 +320,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
 
   // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero.
   const T* q = static_cast<const T*>(p.q) +
-               (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim;
+               (kMulti ? 0 : (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim);
   uint32_t qa[8][4];
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
@@ -290,7 +328,10 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     for (int r = 0; r < 4; ++r) {
       const int row = g + (r & 1) * 8;
       const int col = ks * 16 + (r >> 1) * 8 + 2 * t;
-      const uint32_t w = row < rows ? *reinterpret_cast<const uint32_t*>(q + row * kHeadDim + col) : 0u;
+      const uint32_t w =
+          row < rows ? *reinterpret_cast<const uint32_t*>(
+                           q + (kMulti ? row_bh(row) * kHeadDim : row * kHeadDim) + col)
+                     : 0u;
       qa[ks][r] = kFp8 ? fp8::to_half2<T>(w) : w;
     }
   }
@@ -405,7 +446,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key_base + 8 * j + 2 * t + (e & 1);
-        s[j][e] = key < seq_len ? s[j][e] * p.scale_log2 : -INFINITY;
+        s[j][e] = key < ((e & 2) ? len_hi : len_lo) ? s[j][e] * p.scale_log2 : -INFINITY;
       }
       mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
       mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
@@ -415,18 +456,22 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
     }
-    // Every tile holds at least one real key, so the new maxima are finite.
+    // Every tile holds at least one real key of the longest row, so its new maximum is finite;
+    // kMulti: a shorter row's may be -inf (no key yet), and then 0 stands in as the reference
+    // (alpha and every p are 0, and the state stays (-inf, 0, 0)).
     const float new_m0 = fmaxf(m0, mx0), new_m1 = fmaxf(m1, mx1);
-    const float alpha0 = exp2f(m0 - new_m0), alpha1 = exp2f(m1 - new_m1);
+    const float ref0 = kMulti && new_m0 == -INFINITY ? 0.f : new_m0;
+    const float ref1 = kMulti && new_m1 == -INFINITY ? 0.f : new_m1;
+    const float alpha0 = exp2f(m0 - ref0), alpha1 = exp2f(m1 - ref1);
     m0 = new_m0;
     m1 = new_m1;
     float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      s[j][0] = exp2f(s[j][0] - m0);
-      s[j][1] = exp2f(s[j][1] - m0);
-      s[j][2] = exp2f(s[j][2] - m1);
-      s[j][3] = exp2f(s[j][3] - m1);
+      s[j][0] = exp2f(s[j][0] - ref0);
+      s[j][1] = exp2f(s[j][1] - ref0);
+      s[j][2] = exp2f(s[j][2] - ref1);
+      s[j][3] = exp2f(s[j][3] - ref1);
       sum0 += s[j][0] + s[j][1];
       sum1 += s[j][2] + s[j][3];
     }
@@ -504,8 +549,14 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
       }
     }
     const float val = l > 0.f ? acc / l * p.v_scale : 0.f;
-    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + head0 + r;
-    if (!kSplit || alone) {
+    const int64_t bh = row_bh(r);
+    // kMulti: a row that fits in split 0 is written by split 0 alone, whatever the CTA's longest
+    bool row_alone = alone;
+    if constexpr (kMulti) {
+      row_alone = (row_len(r) + kTileKeys - 1) / kTileKeys <= p.chunk_tiles;
+      if (row_alone && split > 0) continue;
+    }
+    if (!kSplit || row_alone) {
       static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(val);
     } else {
       const int64_t slot = bh * p.max_splits + split;
@@ -521,17 +572,18 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
 // p.num_splits CTAs per (sequence, kv head) would launch mostly empty CTAs, each paying a launch and
 // a seq_lens round trip.
 template <typename T, typename KV, bool kSplit, typename S, bool kLoop = false>
-__global__ void __launch_bounds__(S::kThreads) paged_decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(S::kThreads)
+    paged_decode_kernel(const DecodeParams p, const CtaGroups groups) {
   extern __shared__ __align__(16) unsigned char smem[];
   if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
   if (kSplit || p.pdl) pdl_launch_dependents();
   if constexpr (kLoop) {
     for (int split = blockIdx.x; split < p.num_splits; split += gridDim.x) {
-      decode_split<T, KV, kSplit, S>(p, split, smem);
+      decode_split<T, KV, kSplit, S, true>(p, split, smem, groups);
       __syncthreads();  // the next split's copies reuse the merge's shared memory
     }
   } else {
-    decode_split<T, KV, kSplit, S>(p, blockIdx.x, smem);
+    decode_split<T, KV, kSplit, S>(p, blockIdx.x, smem, groups);
   }
 }
 
@@ -748,15 +800,15 @@ LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms, bool batch_invar
 }
 
 // cudaLaunchKernelEx with the PDL attribute when asked for (and the device has it).
-template <typename Kernel>
+template <typename Kernel, typename... Args>
 cudaError_t launch_pdl(Kernel kernel, dim3 grid, int threads, int smem, bool pdl,
-                       cudaStream_t stream, const DecodeParams& p) {
-  return launch_ex(kernel, LaunchConfig(grid, dim3(threads), smem, stream, pdl, 1), p);
+                       cudaStream_t stream, const Args&... args) {
+  return launch_ex(kernel, LaunchConfig(grid, dim3(threads), smem, stream, pdl, 1), args...);
 }
 
 template <typename T, typename KV, typename S>
-cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const LaunchChoice& c,
-                   cudaStream_t stream) {
+cudaError_t launch(DecodeParams p, const CtaGroups& groups, int batch, int grid_z, int max_ctx,
+                   int num_sms, const LaunchChoice& c, cudaStream_t stream) {
   constexpr int kSmem = S::template smem_bytes<KV>();
   int ctas_per_sm = 1, unused = 1;
   cudaError_t err = prepare_kernel<T, KV, true, S>(&ctas_per_sm);
@@ -767,7 +819,7 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
   err = device_has_pdl(&has_pdl);
   if (err != cudaSuccess) return err;
 
-  const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
+  const int base_ctas = grid_z * p.num_kv_heads * p.head_chunks;
   if (c.invariant) {
     const int split_tiles = kInvariantSplitTiles;
     const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
@@ -782,9 +834,9 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
     const int launched = std::min(p.num_splits, std::max(1, (slots + base_ctas - 1) / base_ctas));
     p.interleave = 0;
     p.pdl = c.pdl && has_pdl ? 1 : 0;
-    const dim3 grid(launched, p.num_kv_heads * p.head_chunks, batch);
+    const dim3 grid(launched, p.num_kv_heads * p.head_chunks, grid_z);
     err = launch_pdl(paged_decode_kernel<T, KV, true, S, true>, grid, S::kThreads, kSmem,
-                     p.pdl != 0, stream, p);
+                     p.pdl != 0, stream, p, groups);
     if (err != cudaSuccess || p.num_splits == 1) return err;  // one split: every sequence alone
     p.combine_heads = base_ctas >= slots ? p.group : 1;
     return launch_pdl(paged_decode_combine_fast_kernel<T>,
@@ -801,15 +853,15 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
   if (p.num_splits == 1 && !c.invariant) {
     if (p.pdl)
       return launch_pdl(paged_decode_kernel<T, KV, false, S>, grid, S::kThreads, kSmem, true,
-                        stream, p);
-    paged_decode_kernel<T, KV, false, S><<<grid, S::kThreads, kSmem, stream>>>(p);
+                        stream, p, CtaGroups{});
+    paged_decode_kernel<T, KV, false, S><<<grid, S::kThreads, kSmem, stream>>>(p, CtaGroups{});
     return cudaGetLastError();
   }
   if (p.pdl) {
     err = launch_pdl(paged_decode_kernel<T, KV, true, S>, grid, S::kThreads, kSmem, true, stream,
-                     p);
+                     p, CtaGroups{});
   } else {
-    paged_decode_kernel<T, KV, true, S><<<grid, S::kThreads, kSmem, stream>>>(p);
+    paged_decode_kernel<T, KV, true, S><<<grid, S::kThreads, kSmem, stream>>>(p, CtaGroups{});
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) return err;
@@ -828,14 +880,18 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
                                    int num_q_heads, int num_kv_heads, int head_dim,
                                    int block_size, int max_blocks, int max_splits, float scale,
                                    int num_sms, bool batch_invariant, DType dtype, KvCache kv,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, const int32_t* cta_first,
+                                   const int32_t* cta_count, int cta_groups) {
+  if ((cta_first != nullptr) && (!batch_invariant || cta_count == nullptr || cta_groups < 0 ||
+                                 cta_groups > 65535))
+    return cudaErrorInvalidValue;
   if (head_dim != kHeadDim || block_size < kTileKeys || block_size % kTileKeys != 0 ||
       num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0 || max_splits < 1 ||
       max_blocks < 1 || num_sms < 1 || batch < 0 || batch > 65535 ||
       reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(v_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0)
     return cudaErrorInvalidValue;
-  if (batch == 0) return cudaSuccess;
+  if (batch == 0 || (cta_first != nullptr && cta_groups == 0)) return cudaSuccess;
   DecodeParams p{};
   p.out = out;
   p.q = q;
@@ -866,8 +922,11 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   auto run = [&](auto t_tag, auto kv_tag) {
     using T = decltype(t_tag);
     using KV = decltype(kv_tag);
-    return c.split_shape ? launch<T, KV, SplitShape>(p, batch, max_ctx, num_sms, c, stream)
-                         : launch<T, KV, BatchShape>(p, batch, max_ctx, num_sms, c, stream);
+    const CtaGroups groups{cta_first, cta_count};
+    const int grid_z = cta_first != nullptr ? cta_groups : batch;
+    return c.split_shape
+               ? launch<T, KV, SplitShape>(p, groups, batch, grid_z, max_ctx, num_sms, c, stream)
+               : launch<T, KV, BatchShape>(p, groups, batch, grid_z, max_ctx, num_sms, c, stream);
   };
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     return kv.fp8 ? run(T(), uint8_t()) : run(T(), T());

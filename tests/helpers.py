@@ -1,5 +1,6 @@
 """Shared by the tests: the CUDA skip marker and the error measure."""
 import contextlib
+import signal
 
 import pytest
 import torch
@@ -45,3 +46,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def sigint_as_a_terminal_sends_it():
+    """``preexec_fn`` for a child the test interrupts with SIGINT: a runner started in the
+    background by a non-interactive shell (``cmd &``) ignores SIGINT, and its children inherit
+    that, so the child's KeyboardInterrupt would never come. The default disposition restores it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

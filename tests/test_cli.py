@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import sigint_as_a_terminal_sends_it
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -192,7 +194,8 @@ def interrupt(args, ready: str, delay: float = 1.0):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen([sys.executable, "-m", "qwen3_model", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_a_terminal_sends_it)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # (the line comes flushed; readline returns with it)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qwen3_model import LLM, SamplingParams
+from tests.helpers import sigint_as_a_terminal_sends_it
 from tests.qwen3_tiny import make_tiny_qwen3
 from tests.test_engine_tp import LONG, PROMPTS, assert_no_process_left, running
 
@@ -159,7 +160,8 @@ def test_ctrl_c_on_rank0_while_a_worker_is_stopped(ckpt):
     """SIGINT to rank 0 (a subprocess) while its worker is stopped mid-step: KeyboardInterrupt
     within a few s, and no process is left (the stopped worker is killed)."""
     proc = subprocess.Popen([sys.executable, "-c", _SIGINT_SCRIPT, ckpt], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_a_terminal_sends_it)
     pids = []
     try:
         line = proc.stdout.readline()  # PIDS ...

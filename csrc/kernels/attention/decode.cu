@@ -147,6 +147,7 @@ struct Shape {
 };
 using BatchShape = Shape<4, 3>;     // w4s3: 96 KB of shared memory, 2 CTAs per SM on H100/H200
 using SplitShape = Shape<8, 3, 1>;  // w8s3c1: 192 KB, 1 CTA per SM, chunks of 1 tile per warp
+using LeanShape = Shape<4, 2>;      // w4s2: 64 KB, 3 CTAs per SM (the invariant prefill's)
 
 // The batch-invariant launch's CTA groups (paged_attention_decode's cta_first / cta_count): a
 // kernel argument of its own, so the other launches' code does not change with it.
@@ -205,6 +206,62 @@ __device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_c) 
   w.c = lse_c == -INFINITY ? 0.f : exp2f(lse_c - m);
   w.total = warp_sum(w.a + w.c);
   return w;
+}
+
+// Whether sequence b's split 0 wrote its output itself (the main kernel's "alone" case): the
+// combine has nothing to do for it. Called after the wait for the main kernel.
+__device__ __forceinline__ bool written_alone(const DecodeParams& p, int64_t bh) {
+  const int seq_len = max(0, min(p.seq_lens[bh / p.num_q_heads], p.ctx_cap));
+  return (seq_len + kTileKeys - 1) / kTileKeys <= p.chunk_tiles;
+}
+
+// One (b, h)'s combine, shared by the combine kernel and the looping main kernel's own combine
+// (so both give the same bits): combine warp cw of 4 sums splits cw, cw + 4, ... for its lane's
+// 4 dims (weights w_s = 2^(lse_s - max lse); a split that saw no key is skipped, never
+// multiplied: its stale row may hold NaN); combine_finish then adds the 4 warps' sums in order.
+constexpr int kCombineWarps = 4;
+struct CombinePart {
+  float4 acc;   // this lane's 4 dims, this warp's splits
+  float total;  // sum of all weights (0 when no split saw a key)
+};
+__device__ __forceinline__ CombinePart combine_part(const DecodeParams& p, int64_t bh, int cw,
+                                                    int lane) {
+  constexpr int kPerWarp = kMaxSplits / kCombineWarps;  // splits a warp may own
+  const float* lse = p.ws_lse + bh * p.max_splits;
+  const float4* part =
+      reinterpret_cast<const float4*>(p.ws_out + bh * p.max_splits * kHeadDim) + lane;
+  float4 v[kPerWarp];
+#pragma unroll
+  for (int k = 0; k < kPerWarp; ++k) {
+    const int s = cw + k * kCombineWarps;
+    v[k] = s < p.num_splits ? part[s * (kHeadDim / 4)] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
+  const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
+  const SplitWeights sw = split_weights(a, c);  // every warp the same
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < kPerWarp; ++k) {
+    const int s = cw + k * kCombineWarps;  // the same in all lanes
+    if (s < p.num_splits) {
+      const float w = __shfl_sync(0xffffffffu, s < 32 ? sw.a : sw.c, s & 31);
+      if (w != 0.f) {
+        acc.x += w * v[k].x;
+        acc.y += w * v[k].y;
+        acc.z += w * v[k].z;
+        acc.w += w * v[k].w;
+      }
+    }
+  }
+  return CombinePart{acc, sw.total};
+}
+// red: the 4 warps' sums [kCombineWarps][32] float4 = [kCombineWarps][128] floats; dim d's value.
+__device__ __forceinline__ float combine_finish(const float4* red, int d, float total) {
+  const float* redf = reinterpret_cast<const float*>(red);
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; ++w) sum += redf[w * kHeadDim + d];
+  return total > 0.f ? sum / total : 0.f;
 }
 
 // ---- main kernel --------------------------------------------------------------------------------
@@ -283,12 +340,14 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
       }
     }
   } else {
-    const int per_split = p.split_tiles > 0
+    // kMulti (the batch-invariant launch, fixed splits of p.split_tiles): where a split starts
+    // does not depend on seq_len, so the first block-table reads need not wait for it.
+    const int per_split = kMulti || p.split_tiles > 0
                               ? p.split_tiles
                               : max((n_tiles + p.num_splits - 1) / p.num_splits, kChunkTiles);
-    tile_begin = kSplit ? min(split * per_split, n_tiles) : 0;
+    tile_begin = kMulti ? split * per_split : kSplit ? min(split * per_split, n_tiles) : 0;
     const int tile_end = min(tile_begin + per_split, n_tiles);
-    empty = tile_begin == tile_end;
+    empty = kMulti ? tile_begin >= tile_end : tile_begin == tile_end;  // (kMulti: may pass it)
     const int my_first = tile_begin + warp;
     n_mine = tile_end > my_first ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
   }
@@ -566,6 +625,47 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   }
 }
 
+// The looping kernel's own combine (see paged_decode_kernel): the CTA's rows as decode_split
+// numbers them, kCombineThreads threads a row (S::kThreads / kCombineThreads rows at a time).
+template <typename T, typename S>
+__device__ __noinline__ void combine_in_cta(const DecodeParams& p, const CtaGroups& groups,
+                                            unsigned char* smem) {
+  constexpr int kGroups = S::kThreads / kCombineThreads;
+  static_assert(S::kThreads % kCombineThreads == 0, "whole combine groups");
+  const int kvh = blockIdx.y / p.head_chunks, chunk = blockIdx.y % p.head_chunks;
+  const int b = groups.first != nullptr ? groups.first[blockIdx.z] : blockIdx.z;
+  if (b < 0) return;
+  const int head0 = kvh * p.group + chunk * kRows;
+  const int row_heads = min(kRows, p.group - chunk * kRows);
+  const int ntok =
+      groups.first != nullptr ? max(1, min(groups.count[blockIdx.z], kRows / row_heads)) : 1;
+  const int rows = row_heads * ntok;
+  // The CTA's longest row fits in split 0: every row was written alone (the common case of a
+  // batch that fills the GPU), and nothing is left to combine. The same in every thread.
+  int longest = 0;
+  for (int i = 0; i < ntok; ++i) longest = max(longest, min(p.seq_lens[b + i], p.ctx_cap));
+  if ((longest + kTileKeys - 1) / kTileKeys <= p.chunk_tiles) return;
+  float4* red = reinterpret_cast<float4*>(smem);  // [kGroups][kCombineWarps][32]
+  const int grp = threadIdx.x / kCombineThreads, d = threadIdx.x % kCombineThreads;
+  const int cw = d / 32, lane = threadIdx.x % 32;
+  for (int r0 = 0; r0 < rows; r0 += kGroups) {
+    const int r = r0 + grp;
+    const int64_t bh =
+        static_cast<int64_t>(b + r / row_heads) * p.num_q_heads + head0 + r % row_heads;
+    const bool act = r < rows && !written_alone(p, bh);
+    CombinePart c{};
+    if (act) {
+      c = combine_part(p, bh, cw, lane);
+      red[(grp * kCombineWarps + cw) * 32 + lane] = c.acc;
+    }
+    __syncthreads();
+    if (act)
+      static_cast<T*>(p.out)[bh * kHeadDim + d] =
+          from_float<T>(combine_finish(red + grp * kCombineWarps * 32, d, c.total));
+    __syncthreads();
+  }
+}
+
 // grid (launched splits, Hkv * head_chunks, B). kLoop (the batch-invariant launch): the CTA of
 // launched split x runs splits x, x + gridDim.x, ... of p.num_splits in turn, so the grid follows
 // the batch (enough CTAs to fill the GPU) while the splits stay at fixed key positions; a grid of
@@ -582,6 +682,9 @@ __global__ void __launch_bounds__(S::kThreads)
       decode_split<T, KV, kSplit, S, true>(p, split, smem, groups);
       __syncthreads();  // the next split's copies reuse the merge's shared memory
     }
+    // One CTA ran every split of its rows (gridDim.x == 1): it combines them itself, with the
+    // combine kernel's arithmetic (combine_part), so the host launches no combine.
+    if (gridDim.x == 1 && p.num_splits > 1) combine_in_cta<T, S>(p, groups, smem);
   } else {
     decode_split<T, KV, kSplit, S>(p, blockIdx.x, smem, groups);
   }
@@ -589,12 +692,6 @@ __global__ void __launch_bounds__(S::kThreads)
 
 // ---- combine kernels ----------------------------------------------------------------------------
 
-// Whether sequence b's split 0 wrote its output itself (the main kernel's "alone" case): the
-// combine has nothing to do for it. Called after the wait for the main kernel.
-__device__ __forceinline__ bool written_alone(const DecodeParams& p, int64_t bh) {
-  const int seq_len = max(0, min(p.seq_lens[bh / p.num_q_heads], p.ctx_cap));
-  return (seq_len + kTileKeys - 1) / kTileKeys <= p.chunk_tiles;
-}
 
 // grid (B * Hq), kCombineThreads threads: out[b, h, d] = sum_s w_s * partial_s[d] / sum_s w_s with
 // w_s = 2^(lse_s - max lse). Splits that saw no key (lse = -inf) are skipped, so their stale
@@ -636,53 +733,24 @@ __global__ void __launch_bounds__(kCombineThreads)
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     paged_decode_combine_fast_kernel(const DecodeParams p) {
-  constexpr int kCWarps = kCombineThreads / 32;
-  constexpr int kPerWarp = kMaxSplits / kCWarps;  // splits a warp may own
-  __shared__ float4 red[kCWarps][32];             // each warp's sum, dims 4 lane .. 4 lane + 3
+  static_assert(kCombineThreads == kCombineWarps * 32, "one combine warp per 32 threads");
+  __shared__ float4 red[kCombineWarps][32];  // each warp's sum, dims 4 lane .. 4 lane + 3
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (p.pdl) pdl_launch_dependents();
   pdl_wait();
   // The CTA's heads are of one sequence (combine_heads divides Hq): alone for all or for none.
   if (written_alone(p, static_cast<int64_t>(blockIdx.x) * p.combine_heads)) return;
   for (int hc = 0; hc < p.combine_heads; ++hc) {
-  const int64_t bh = static_cast<int64_t>(blockIdx.x) * p.combine_heads + hc;
-  if (hc > 0) __syncthreads();  // the previous head's reads of red are done
-  const float* lse = p.ws_lse + bh * p.max_splits;
-  const float4* part =
-      reinterpret_cast<const float4*>(p.ws_out + bh * p.max_splits * kHeadDim) + lane;
-  float4 v[kPerWarp];
-#pragma unroll
-  for (int k = 0; k < kPerWarp; ++k) {
-    const int s = warp + k * kCWarps;
-    v[k] = s < p.num_splits ? part[s * (kHeadDim / 4)] : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  const float a = lane < p.num_splits ? lse[lane] : -INFINITY;
-  const float c = lane + 32 < p.num_splits ? lse[lane + 32] : -INFINITY;
-  const SplitWeights sw = split_weights(a, c);  // every warp the same
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int k = 0; k < kPerWarp; ++k) {
-    const int s = warp + k * kCWarps;  // the same in all lanes
-    if (s < p.num_splits) {
-      const float w = __shfl_sync(0xffffffffu, s < 32 ? sw.a : sw.c, s & 31);
-      if (w != 0.f) {  // a skipped split's stale row may hold NaN: never multiply it
-        acc.x += w * v[k].x;
-        acc.y += w * v[k].y;
-        acc.z += w * v[k].z;
-        acc.w += w * v[k].w;
-      }
-    }
-  }
-  red[warp][lane] = acc;
-  __syncthreads();
-  const int d = threadIdx.x;
-  const float* redf = reinterpret_cast<const float*>(red);  // [kCWarps][kHeadDim]
-  float sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kCWarps; ++w) sum += redf[w * kHeadDim + d];
-  static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(sw.total > 0.f ? sum / sw.total : 0.f);
+    const int64_t bh = static_cast<int64_t>(blockIdx.x) * p.combine_heads + hc;
+    if (hc > 0) __syncthreads();  // the previous head's reads of red are done
+    const CombinePart c = combine_part(p, bh, warp, lane);
+    red[warp][lane] = c.acc;
+    __syncthreads();
+    static_cast<T*>(p.out)[bh * kHeadDim + threadIdx.x] =
+        from_float<T>(combine_finish(&red[0][0], threadIdx.x, c.total));
   }
 }
+
 // ---- host side ----------------------------------------------------------------------------------
 
 constexpr int kMaxDevices = 64;
@@ -793,7 +861,7 @@ struct LaunchChoice {
 // 640 gave batch 1 at 1k 9.4 us but B = 256 1.17x (1.89x under a 40960-key bound), 4096 gave
 // B = 256 1.01x but batch 1 at 4k 35.4 us.
 LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms, bool batch_invariant) {
-  if (batch_invariant) return LaunchChoice{split_shape_fits(), true, false, true, true};
+  if (batch_invariant) return LaunchChoice{false, true, false, true, true};
   const bool fills_gpu = int64_t{batch} * kv_ctas >= num_sms;
   if (fills_gpu) return LaunchChoice{false, false, false, false, false};
   return LaunchChoice{split_shape_fits(), false, true, true, true};
@@ -806,9 +874,42 @@ cudaError_t launch_pdl(Kernel kernel, dim3 grid, int threads, int smem, bool pdl
   return launch_ex(kernel, LaunchConfig(grid, dim3(threads), smem, stream, pdl, 1), args...);
 }
 
+// The batch-invariant launch (see choose_launch): splits of kInvariantSplitTiles tiles at fixed
+// key positions, the looping kernel, and the combine in the CTAs or in the fast combine kernel.
 template <typename T, typename KV, typename S>
-cudaError_t launch(DecodeParams p, const CtaGroups& groups, int batch, int grid_z, int max_ctx,
-                   int num_sms, const LaunchChoice& c, cudaStream_t stream) {
+cudaError_t launch_invariant(DecodeParams p, const CtaGroups& groups, int batch, int grid_z,
+                             int max_ctx, int num_sms, cudaStream_t stream) {
+  constexpr int kSmem = S::template smem_bytes<KV>();
+  int loop_ctas = 1;
+  cudaError_t err = prepare_kernel<T, KV, true, S, true>(&loop_ctas);
+  if (err != cudaSuccess) return err;
+  bool has_pdl = false;
+  err = device_has_pdl(&has_pdl);
+  if (err != cudaSuccess) return err;
+  const int base_ctas = grid_z * p.num_kv_heads * p.head_chunks;
+  const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
+  p.num_splits = std::max(1, (ctx_tiles + kInvariantSplitTiles - 1) / kInvariantSplitTiles);
+  if (p.num_splits > p.max_splits || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
+  p.split_tiles = p.chunk_tiles = kInvariantSplitTiles;
+  // Launched splits: enough CTAs to fill every SM slot once, at most the splits there are.
+  const int slots = num_sms * loop_ctas;
+  const int launched = std::min(p.num_splits, std::max(1, (slots + base_ctas - 1) / base_ctas));
+  p.interleave = 0;
+  p.pdl = has_pdl ? 1 : 0;
+  const dim3 grid(launched, p.num_kv_heads * p.head_chunks, grid_z);
+  err = launch_pdl(paged_decode_kernel<T, KV, true, S, true>, grid, S::kThreads, kSmem,
+                   p.pdl != 0, stream, p, groups);
+  // One split: every sequence alone. One launched split: the CTAs combine their own rows.
+  if (err != cudaSuccess || p.num_splits == 1 || launched == 1) return err;
+  p.combine_heads = base_ctas >= slots ? p.group : 1;
+  return launch_pdl(paged_decode_combine_fast_kernel<T>,
+                    dim3(batch * p.num_q_heads / p.combine_heads), kCombineThreads, 0, has_pdl,
+                    stream, p);
+}
+
+template <typename T, typename KV, typename S>
+cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const LaunchChoice& c,
+                   cudaStream_t stream) {
   constexpr int kSmem = S::template smem_bytes<KV>();
   int ctas_per_sm = 1, unused = 1;
   cudaError_t err = prepare_kernel<T, KV, true, S>(&ctas_per_sm);
@@ -819,38 +920,14 @@ cudaError_t launch(DecodeParams p, const CtaGroups& groups, int batch, int grid_
   err = device_has_pdl(&has_pdl);
   if (err != cudaSuccess) return err;
 
-  const int base_ctas = grid_z * p.num_kv_heads * p.head_chunks;
-  if (c.invariant) {
-    const int split_tiles = kInvariantSplitTiles;
-    const int ctx_tiles = (max_ctx + kTileKeys - 1) / kTileKeys;
-    p.num_splits = std::max(1, (ctx_tiles + split_tiles - 1) / split_tiles);
-    if (p.num_splits > p.max_splits || p.num_splits > kMaxSplits) return cudaErrorInvalidValue;
-    p.split_tiles = p.chunk_tiles = split_tiles;
-    int loop_ctas = 1;
-    err = prepare_kernel<T, KV, true, S, true>(&loop_ctas);
-    if (err != cudaSuccess) return err;
-    // Launched splits: enough CTAs to fill every SM slot once, at most the splits there are.
-    const int slots = num_sms * loop_ctas;
-    const int launched = std::min(p.num_splits, std::max(1, (slots + base_ctas - 1) / base_ctas));
-    p.interleave = 0;
-    p.pdl = c.pdl && has_pdl ? 1 : 0;
-    const dim3 grid(launched, p.num_kv_heads * p.head_chunks, grid_z);
-    err = launch_pdl(paged_decode_kernel<T, KV, true, S, true>, grid, S::kThreads, kSmem,
-                     p.pdl != 0, stream, p, groups);
-    if (err != cudaSuccess || p.num_splits == 1) return err;  // one split: every sequence alone
-    p.combine_heads = base_ctas >= slots ? p.group : 1;
-    return launch_pdl(paged_decode_combine_fast_kernel<T>,
-                      dim3(batch * p.num_q_heads / p.combine_heads),
-                      kCombineThreads, 0, has_pdl, stream, p);
-  } else {
-    p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
-                                     S::kChunkTiles);
-    p.chunk_tiles = S::kChunkTiles;
-  }
+  const int base_ctas = batch * p.num_kv_heads * p.head_chunks;
+  p.num_splits = choose_num_splits(base_ctas, max_ctx, num_sms * ctas_per_sm, p.max_splits,
+                                   S::kChunkTiles);
+  p.chunk_tiles = S::kChunkTiles;
   p.interleave = c.interleave ? 1 : 0;
   p.pdl = c.pdl && has_pdl ? 1 : 0;
   const dim3 grid(p.num_splits, p.num_kv_heads * p.head_chunks, batch);
-  if (p.num_splits == 1 && !c.invariant) {
+  if (p.num_splits == 1) {
     if (p.pdl)
       return launch_pdl(paged_decode_kernel<T, KV, false, S>, grid, S::kThreads, kSmem, true,
                         stream, p, CtaGroups{});
@@ -922,11 +999,18 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   auto run = [&](auto t_tag, auto kv_tag) {
     using T = decltype(t_tag);
     using KV = decltype(kv_tag);
-    const CtaGroups groups{cta_first, cta_count};
-    const int grid_z = cta_first != nullptr ? cta_groups : batch;
-    return c.split_shape
-               ? launch<T, KV, SplitShape>(p, groups, batch, grid_z, max_ctx, num_sms, c, stream)
-               : launch<T, KV, BatchShape>(p, groups, batch, grid_z, max_ctx, num_sms, c, stream);
+    if (c.invariant) {
+      // Prefill's CTA groups (many short CTAs) on w4s2, decode on w4s3: one order (the stage
+      // count sets only the pipeline depth), see choose_launch.
+      const CtaGroups groups{cta_first, cta_count};
+      return cta_first != nullptr
+                 ? launch_invariant<T, KV, LeanShape>(p, groups, batch, cta_groups, max_ctx,
+                                                      num_sms, stream)
+                 : launch_invariant<T, KV, BatchShape>(p, groups, batch, batch, max_ctx, num_sms,
+                                                       stream);
+    }
+    return c.split_shape ? launch<T, KV, SplitShape>(p, batch, max_ctx, num_sms, c, stream)
+                         : launch<T, KV, BatchShape>(p, batch, max_ctx, num_sms, c, stream);
   };
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     return kv.fp8 ? run(T(), uint8_t()) : run(T(), T());

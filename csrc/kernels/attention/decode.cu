@@ -54,6 +54,8 @@
 //     kernel too (it waits for the previous kernel at its first instruction, so only its launch
 //     overlaps the previous kernel's tail). A GPU without 192 KB of shared memory per CTA (A100)
 //     runs the split shape's choices on w4s3.
+//   batch-invariant (batch_invariant=true): w4s3's order at every batch size, splits at fixed key
+//     positions, w4s2 for prefill's CTA groups (see choose_launch).
 //   Measured on an H200 (bench_attention_decode.py, against cuDNN): batch shape B=32 ctx 4k
 //   0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x (w8s3 there: 0.93-0.97x); split shape B=16 ctx 2k
 //   0.96-1.02x, B=1 ctx 32k 1.01-1.05x (w4s3 there: 0.90-0.97x). Chunks of one tile per warp: at
@@ -62,9 +64,9 @@
 //   7.6), the same at 128 keys, B=16 ctx 2k and B=1 ctx 32k; engine, Qwen3-8B batch 1: 219.8-219.9
 //   tok/s against 215.5-218.7, and 366.8-367.9 against 358.2-358.3 at TP 2.
 //
-// Variants that no shape picks (branch experiment/kernel-launch-variants keeps them, with the
-// environment switches that selected them):
-//   w4s2 (64 KB, 3 CTAs per SM), w4s4 (128 KB), w4s6 (192 KB), w8s3 (chunks of 4 tiles per warp):
+// Variants that no shape of the default launch picks (branch experiment/kernel-launch-variants
+// keeps them, with the environment switches that selected them):
+//   w4s2 (64 KB, 3 CTAs per SM; the batch-invariant prefill's), w4s4 (128 KB), w4s6 (192 KB), w8s3 (chunks of 4 tiles per warp):
 //     B=16 ctx 2k Hq/Hkv 32/8 (cuDNN 34.5 us, automatic split count, any flags): w4s2 38.2-39.0
 //     us, w4s4 43.2-44.3, w4s6 41.0-41.8, w8s3 36.5-37.1, w4s3 37.9-38.4 (bench_attention_decode.py
 //     sweep); w8s3 at batch 1 also in the chunk figures above.
@@ -849,17 +851,23 @@ struct LaunchChoice {
 // the fast combine and PDL (measurements in the header). On a GPU where w8s3c1 does not fit, the
 // same flags on w4s3.
 //
-// Batch-invariant: one launch for every batch, so a row's result depends on its own sequence only:
-// w8s3c1 (w4s3 where it does not fit), contiguous splits of kInvariantSplitTiles tiles from key 0,
-// split 0 writing a sequence that fits in one split, the fast combine. The CTAs loop over the
-// splits (paged_decode_kernel's kLoop): as many are launched per (sequence, kv head) as fill the
-// GPU once, so a large batch launches one CTA per sequence and kv head, never the empty splits
-// past a short sequence that the context bound would ask for. Split size: 2048 keys measured best
-// over 640 / 1024 / 2048 / 4096 (H200, Qwen3-8B heads, mode time / automatic launch's: batch 1 at
-// 512 / 1024 / 4096 / 32768 keys 7.6 / 11.5 / 20.9 / 36.8 us vs 5.7 / 6.0 / 8.2 / 36.7; B = 16 at 2k
-// 1.00x; B = 64 / 256 at 1k 1.05x / 1.02x (1.06x under a 40960-key bound); B = 128 at 2k 1.00x);
-// 640 gave batch 1 at 1k 9.4 us but B = 256 1.17x (1.89x under a 40960-key bound), 4096 gave
-// B = 256 1.01x but batch 1 at 4k 35.4 us.
+// Batch-invariant: one order for every batch, so a row's result depends on its own sequence only:
+// w4s3's order (4 warps, warp w taking tiles w, w + 4, ... of a split), contiguous splits of
+// kInvariantSplitTiles tiles from key 0, split 0 writing a sequence that fits in one split, the
+// fast combine's arithmetic (launch_invariant). The CTAs loop over the splits (paged_decode_kernel's
+// kLoop): as many are launched per (sequence, kv head) as fill the GPU once, so a large batch
+// launches one CTA per sequence and kv head, never the empty splits past a short sequence that the
+// context bound would ask for, and that CTA combines its own rows (no combine launch). Prefill's
+// CTA groups run the same order on w4s2 (3 CTAs per SM for its many short CTAs): the stage count
+// sets only the pipeline depth, so the bits are the same.
+// Measured (H200, Qwen3-8B heads, 4096-key table, mode time / automatic launch's): w4s3 at B = 256
+// 1.19 / 1.13 / 1.08 at 512 / 1024 / mixed 100..2048 keys, where w8s3c1 took 1.53 / 1.22 / 1.20;
+// batch 1 2.11 / 2.98 at 512 / 1024 keys against w8s3c1's 1.86 / 2.50. Engine, Qwen3-8B: workload
+// 0.859x the default mode against w8s3c1's 0.800-0.830x; batch 1 210.5 against 211.8 decode tok/s
+// (other calls). Prefill as decode: w4s2 5.7-6.9x the prefill kernel, w4s3 7.5-9.9x, w8s3c1
+// 9.6-13.5x. Split size: 2048 keys measured best over 640 / 1024 / 2048 / 4096 on w8s3c1; on w4s3
+// 1024 was no better (B = 256 1.11-1.25x against 1.09-1.24x in one call; batch 1 better only at
+// 3000 keys); 640 gave B = 256 1.17x (1.89x under a 40960-key bound), 4096 batch 1 at 4k 35.4 us.
 LaunchChoice choose_launch(int batch, int kv_ctas, int num_sms, bool batch_invariant) {
   if (batch_invariant) return LaunchChoice{false, true, false, true, true};
   const bool fills_gpu = int64_t{batch} * kv_ctas >= num_sms;

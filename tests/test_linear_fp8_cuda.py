@@ -1,12 +1,13 @@
-"""CUDA: linear_fp8 above one token (quantize_fp8 into the op's workspace, then the CUTLASS
-block-scaled GEMM of csrc/kernels/gemm/linear_fp8_sm90.cu) vs the fp32 spec.
+"""CUDA: linear_fp8 above one token (quantize_fp8 into the op's workspace, then the
+weight-streaming pass over a few tokens of csrc/kernels/gemm/linear_fp8_gemv.cu up to T = 8, or
+16 where N < 16384, else the CUTLASS block-scaled GEMM of linear_fp8_sm90.cu) vs the fp32 spec.
 
 The spec is reference.linear_fp8's own steps kept in fp32: want = dequant(quantize_fp8(x)) @
 dequant(weight)^T. The kernel quantizes x to the same e4m3 values and scales (quantize_fp8 is
 bit-exact with the reference), so only the summation and the final rounding differ:
   - OUT_ROUNDING: the output is rounded once to bf16, at most half an ulp, 2^-8 of the value;
   - ACCUMULATION: Hopper's FP8 tensor cores keep ~14 significant bits while summing inside a
-    128-wide group; the kernel adds each group's sum into an fp32 total (CUTLASS's promotion), so
+    128-wide group (the few-token pass sums e4m3 products as f16 mma in fp32, tighter still); the kernel adds each group's sum into an fp32 total (CUTLASS's promotion), so
     the error is a few 2^-14 of the group's sum of |products|; bounded here, with a wide margin,
     by 2^-9 of the row's sum of |products| (abs_sum).
 Elementwise: |out - want| <= OUT_ROUNDING * |want| + ACCUMULATION * abs_sum. Per output row:
@@ -50,8 +51,9 @@ def _projection_shapes(size, tp):
 SIZES = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
 SHAPES = {f"{s}-tp{tp}-{p}": nk for s in SIZES for tp in (1, 2)
           for p, nk in _projection_shapes(s, tp).items()}
-SMALL_T = (2, 3, 17, 64, 129)
-# Every shape at the small T (stream-K at T <= 64, then the 64-row ping-pong tiles where they
+SMALL_T = (2, 3, 8, 9, 16, 17, 64, 129)
+# Every shape at the small T (the few-token pass: one tile of 8 tokens at T <= 8, two at 9..16
+# where N < 16384; stream-K at T <= 64, then the 64-row ping-pong tiles where they
 # fill the SMs twice: e.g. T = 129 on gate_up); T = 4096 (the 128 x 128 cooperative tiles,
 # data-parallel or stream-K by the wave count) on the 8B and 32B shapes, both TP degrees.
 CASES = [(name, t) for name in SHAPES for t in SMALL_T]
@@ -61,7 +63,7 @@ CASES += [(name, 4096) for name in SHAPES if name.startswith(("8B", "32B"))]
 # picks the ping-pong tiles on a K tail, and 1000 / 2048 tokens on the 8B qkv shape.
 ODD = {"N4096-K4112": (4096, 4112), "N1032-K4112": (1032, 4112), "N24-K16": (24, 16),
        "N136-K272": (136, 272), "N6144-K4112": (6144, 4112)}
-ODD_CASES = [(name, t) for name in ODD for t in (2, 3, 17, 129, 1000)]
+ODD_CASES = [(name, t) for name in ODD for t in (2, 3, 9, 16, 17, 129, 1000)]
 ODD_CASES += [("N4096-K4112", 4096), ("N6144-K4112", 2048)]
 
 
@@ -83,7 +85,7 @@ def _activations(t, k, seed):
     groups = -(-k // G)
     mag = torch.exp2(torch.rand(t, groups, device="cuda", generator=gen) * 12 - 6)
     x = torch.randn(t, k, device="cuda", generator=gen) * mag.repeat_interleave(G, 1)[:, :k]
-    if t >= 17:
+    if t >= 4:
         x[0] = 0
         x[1] *= 1e-20
         x[2] = x[2] / x[2].abs().amax() * 1e4
@@ -166,7 +168,7 @@ def test_linear_fp8_partial_last_group_counts_its_own_scale():
 def test_linear_fp8_writes_only_its_rows():
     # out is rows 1 .. t of a poisoned buffer: the epilogue must clip the last M tile.
     n, k = 4096, 4096
-    for t in (3, 129):
+    for t in (3, 11, 129):
         w, scales = _weight(n, k, seed=t)
         x = _activations(t, k, seed=t + 1)
         buf = torch.full((t + 2, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -180,7 +182,8 @@ def test_linear_fp8_ignores_stale_workspace():
     # The op's workspace (quantized x, x_scales padded to a multiple of 4 tokens, the stream-K
     # partials) comes from the caching allocator uninitialised; NaN left in freed memory must not
     # reach the output (the padding scales multiply only rows past T, which are never stored).
-    for t, (n, k) in ((3, (4096, 4096)), (17, (6144, 4112)), (129, (24576, 4096))):
+    for t, (n, k) in ((3, (4096, 4096)), (16, (4096, 4112)), (17, (6144, 4112)),
+                      (129, (24576, 4096))):
         w, scales = _weight(n, k, seed=t)
         x = _activations(t, k, seed=t + 2)
         junk = torch.full((64 << 20,), float("nan"), device="cuda")
@@ -207,9 +210,10 @@ def test_linear_fp8_in_a_cuda_graph():
     # Prefill and decode run from captured graphs; the op allocates its workspace from the
     # caching allocator and stream-K zeroes its barriers with a memset on the stream, so both
     # must be captured. Replays with new x, w and scales copied in place, out poisoned each time.
-    # T = 2 / 17 (stream-K), 129 on gate_up (ping-pong), 2048 (cooperative, data-parallel).
-    for t, (n, k) in ((2, (4096, 4096)), (17, (6144, 4112)), (129, (24576, 4096)),
-                      (2048, (4096, 4096))):
+    # T = 2 / 12 (the few-token pass, one and two tiles), 17 (stream-K), 129 on gate_up
+    # (ping-pong), 2048 (cooperative, data-parallel).
+    for t, (n, k) in ((2, (4096, 4096)), (12, (6144, 4112)), (17, (6144, 4112)),
+                      (129, (24576, 4096)), (2048, (4096, 4096))):
         w, scales = _weight(n, k, seed=t)
         x = _activations(t, k, seed=t + 4)
         out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)

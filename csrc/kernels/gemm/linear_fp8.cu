@@ -1,8 +1,15 @@
 // linear_fp8: the FP8 block-scaled projection of Qwen3-*-FP8 checkpoints. The one place that picks
 // its kernel, from the shape:
 //   - M == 1: the weight-streaming GEMV (linear_fp8_gemv.cu), which quantizes x itself: one launch.
-//   - M > 1: quantize_fp8 (quantize_fp8.cu) into the workspace, then the CUTLASS block-scaled GEMM
-//     (linear_fp8_sm90.cu).
+//   - M > 1: quantize_fp8 (quantize_fp8.cu) into the workspace, then
+//     - up to 8 tokens, or 16 where N < 16384 (fp8::tokens_gemv_fits): the same weight-streaming
+//       pass over every token at once (linear_fp8_gemv.cu: gemv_tokens);
+//     - above: the CUTLASS block-scaled GEMM (linear_fp8_sm90.cu).
+//   Measured (H200, Qwen3-8B projections, quantize_fp8 included, CUDA-graph replays; us):
+//   gemv_tokens at T = 2..8 qkv 14.3-14.8, o 12.4-12.7, gate_up 38.8-39.2, down 23.4-25.2; at
+//   T = 16 17.9 / 12.7 / 46.4 / 24.2; the GEMM at T = 16 23.8 / 23.6 / 44.7 / 34.6 (it takes
+//   ~24 us up to T = 64 on the small projections: its stream-K tiles of 128 tokens). At T = 32
+//   the GEMM wins on gate_up (64.3 against ~47) and ties on qkv.
 // Both compute quantize_fp8(x) @ dequant(w)^T in fp32 (reference.linear_fp8), so the choice moves
 // only the summation order.
 #include <cstdint>
@@ -16,7 +23,7 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-// Workspace of M > 1: [xq: M x K e4m3][x_scales: G x scale_stride fp32][the GEMM's own].
+// Workspace of M > 1: [xq: M x K e4m3][x_scales: G x scale_stride fp32][the GEMM's own, if run].
 struct Layout {
   int64_t scale_stride;
   size_t scales_offset, gemm_offset, bytes;
@@ -28,7 +35,8 @@ Layout layout(int64_t m, int64_t n, int64_t k) {
   l.scale_stride = (m + 3) / 4 * 4;
   l.scales_offset = round_up(static_cast<size_t>(m * k), kAlign);
   l.gemm_offset = l.scales_offset + round_up(static_cast<size_t>(groups * l.scale_stride) * 4, kAlign);
-  l.bytes = l.gemm_offset + fp8::gemm_workspace_size(m, n, k);
+  l.bytes = l.gemm_offset +
+            (fp8::tokens_gemv_fits(m, n) ? 0 : fp8::gemm_workspace_size(m, n, k));
   return l;
 }
 
@@ -52,6 +60,9 @@ cudaError_t linear_fp8(void* out, const void* x, const void* w, const float* wei
   cudaError_t err = quantize_fp8(xq, x_scales, x, m, k, /*x_stride=*/k, /*scale_stride_t=*/1,
                                  /*scale_stride_g=*/l.scale_stride, DType::kBFloat16, stream);
   if (err != cudaSuccess) return err;
+  if (fp8::tokens_gemv_fits(m, n))
+    return fp8::gemv_tokens(out, xq, x_scales, l.scale_stride, w, weight_scale_inv, m, n, k,
+                            stream);
   return fp8::gemm(out, xq, x_scales, l.scale_stride, w, weight_scale_inv, m, n, k,
                    base + l.gemm_offset, workspace_bytes - l.gemm_offset, stream);
 }

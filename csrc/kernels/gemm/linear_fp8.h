@@ -21,6 +21,20 @@ cudaError_t gemv(void* out,             // [1, N] bf16
                  const float* w_scales, // [ceil(N/128), ceil(K/128)]
                  int64_t n, int64_t k, cudaStream_t stream);
 
+// linear_fp8_gemv.cu: a few tokens (T <= 16), the same weight-streaming pass with the mma's 8
+// columns as 8 tokens: x pre-quantized (quantize_fp8's xq and token-contiguous x_scales, as the
+// GEMM below takes them). tokens_gemv_fits says where it is chosen (linear_fp8.cu).
+constexpr int kTokensPerTile = 8;      // tokens of one mma tile: the mma's N
+constexpr int64_t kTokensWideN = 16384;  // N from which 9..16 tokens go to the GEMM instead
+bool tokens_gemv_fits(int64_t t, int64_t n);
+cudaError_t gemv_tokens(void* out,              // [T, N] bf16
+                        const void* xq,         // [T, K] e4m3
+                        const float* x_scales,  // [ceil(K/128), scale_stride]
+                        int64_t scale_stride,
+                        const void* w,          // [N, K] e4m3
+                        const float* w_scales,  // [ceil(N/128), ceil(K/128)]
+                        int64_t t, int64_t n, int64_t k, cudaStream_t stream);
+
 // linear_fp8_sm90.cu: the CUTLASS sm90 block-scaled GEMM (warp-specialised, TMA, fp32
 // accumulation, scales applied in the mainloop). x_scales token-contiguous: scale of token t,
 // group g at x_scales[g * scale_stride + t], scale_stride >= M and a multiple of 4 (TMA: 16-byte

@@ -11,8 +11,13 @@
 // notice). Sm_90 has no fp8 mma.sync of its own (ptxas lowers the e4m3 one to cvt + f16 mma),
 // so f16 mma after our own cvt is the same work, and it builds for sm_80 as well.
 //
-//   - A CTA owns 16 weight rows (the M of one mma) over all of K: N / 16 CTAs of 4 warps (256
-//     for N = 4096, 1536 for 24576), several per SM, scheduled dynamically as in the bf16 GEMV.
+//   - A CTA owns 16 weight rows (the M of one mma) over all of K: N / 16 CTAs (256 for N = 4096,
+//     1536 for 24576), several per SM, scheduled dynamically as in the bf16 GEMV. 4 warps a CTA,
+//     or 8 where the CTAs fill at most two a SM (N = 4096: one wave, more warps to stream with).
+//     Measured (H200, us, 8 warps against 4): o 8.78 / 9.15, down 19.41 / 21.34, but qkv (384
+//     CTAs) 12.88 / 10.78 and gate_up 36.27 / 31.00. More weight in flight lost everywhere else
+//     (3 or 4 stages a warp, 16 warps), as did converting e4m3 by bit moves instead of cvt: the
+//     kernel is bound by its instructions (cvt, the in-CTA quantization of x), not by latency.
 //     Its 16 rows are one 16 x K contiguous block of the weight; warp w reads the 256-column
 //     stages w, w + 4, ... of it, so the CTA's reads at any moment are about 16 rows x 1 KB.
 //     The 4 warps' partial sums meet in shared memory at the end; every output is written once.
@@ -34,6 +39,13 @@
 //   - x: each CTA reads x [1, K] (2 K bytes, from L2), quantizes it (quantize_fp8.cuh: half a
 //     warp a group) and keeps the e4m3 values as f16 in shared memory (2 K bytes; 51 KB at K =
 //     25600), zero-padded to whole stages so the partial last group needs no branch.
+//
+// fp8::gemv_tokens (T = 2..16, linear_fp8.cu picks it): the same pass with x [T, K] quantized
+// beforehand (quantize_fp8): the mma's 8 columns are 8 tokens, lane (g, t) reading token g's 16
+// e4m3 bytes at its own 16 columns (the permutation of k above, now on both operands) through
+// L1, where every CTA of an SM finds them. Each group's sum is scaled by w_scale * x_scale of its
+// token column. 4 warps and 2 stages a warp for one tile of 8 tokens; 8 warps and 1 stage for two
+// (the registers of a second x tile).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -47,8 +59,6 @@
 namespace qwen3_kernels::fp8 {
 namespace {
 
-constexpr int kWarps = 4;  // per CTA
-constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16;                   // weight rows a CTA: the M of one m16n8k16
 constexpr int kChunks = 4;                  // 64-column chunks a stage (16 bytes a lane each)
 constexpr int kStageCols = 64 * kChunks;    // 256: two groups
@@ -132,6 +142,7 @@ __device__ __forceinline__ void compute_stage(const Stage& s, int kb, int lane_c
 // every group up to the padded end (groups past k come out as zeros). Half a warp a group, the
 // CTA's 8 half-warps kQuantUnroll groups apart; the x and scale loads of kQuantUnroll groups are
 // issued before any arithmetic.
+template <int kThreads>
 __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
                                            const float* __restrict__ w_scale_row, int k,
                                            int groups, int padded_groups, uint16_t* xh,
@@ -169,8 +180,8 @@ __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
 
 // Grid ceil(n / 16) CTAs of 4 warps; CTA b owns rows 16 b .. 16 b + 15. Dynamic shared memory:
 // [xh: stages * 256 f16][sc: stages * 2 fp32].
-template <bool kPdl>
-__global__ void __launch_bounds__(kThreads)
+template <int kWarps, bool kPdl>
+__global__ void __launch_bounds__(32 * kWarps)
     gemv_kernel(__nv_bfloat16* __restrict__ out,      // [1, n]
                 const __nv_bfloat16* __restrict__ x,  // [1, k]
                 const uint8_t* __restrict__ w,        // [n, k] e4m3
@@ -198,7 +209,7 @@ __global__ void __launch_bounds__(kThreads)
   load_stage(b, row_lo, row_hi, lo_ok, hi_ok, (warp + kWarps) * kStageCols, lane_col, k);
   if constexpr (kPdl) pdl_wait();  // x may be the previous kernel's output, out its input
 
-  quantize_x(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k, groups,
+  quantize_x<32 * kWarps>(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k, groups,
              stages * kGroupsPerStage, xh, sc);
   __syncthreads();
 
@@ -223,6 +234,161 @@ __global__ void __launch_bounds__(kThreads)
   }
   // The next PDL kernel is scheduled only once every CTA got here (linear_gemv.cu: its CTAs then
   // find the SMs nearly empty).
+  if constexpr (kPdl) pdl_launch_dependents();
+}
+
+// ---- a few tokens: fp8::gemv_tokens ----------------------------------------------------------
+
+// A stage of the tokens kernel: the weight chunks as in Stage, and token nt * 8 + g's e4m3 x at
+// the lane's own columns (chunk j: the 16 bytes at kb + 64 j + 16 t), the mma's B operand.
+template <int NT>
+struct TokenStage {
+  uint4 lo[kChunks], hi[kChunks];
+  uint4 x[NT][kChunks];
+};
+
+template <int NT>
+__device__ __forceinline__ void load_token_weights(TokenStage<NT>& s, const uint8_t* row_lo,
+                                                   const uint8_t* row_hi, bool lo_ok, bool hi_ok,
+                                                   int kb, int lane_col, int k) {
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int col = kb + 64 * j + lane_col;
+    s.lo[j] = lo_ok && col < k ? load_stream<false>(row_lo + col) : make_uint4(0, 0, 0, 0);
+    s.hi[j] = hi_ok && col < k ? load_stream<false>(row_hi + col) : make_uint4(0, 0, 0, 0);
+  }
+}
+// x through L1 (every CTA of an SM reads the same [T, K]); tokens past T read nothing, hold 0.
+template <int NT>
+__device__ __forceinline__ void load_token_x(TokenStage<NT>& s, const uint8_t* const (&x_row)[NT],
+                                             const bool (&x_ok)[NT], int kb, int lane_col, int k) {
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int col = kb + 64 * j + lane_col;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      s.x[nt][j] = x_ok[nt] && col < k ? __ldg(reinterpret_cast<const uint4*>(x_row[nt] + col))
+                                       : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// acc[nt] (D's fragment: rows g, g + 8 x tokens nt * 8 + 2 t, + 1) += this stage's products,
+// group by group, each group's sum scaled once by w_scale * x_scale as in compute_stage.
+template <int NT>
+__device__ __forceinline__ void compute_token_stage(const TokenStage<NT>& s, int kb, int k, int t4,
+                                                    const float* __restrict__ w_scale_row,
+                                                    const float* __restrict__ x_scales,
+                                                    int scale_stride, int ntok,
+                                                    float (&acc)[NT][4]) {
+#pragma unroll
+  for (int h = 0; h < kGroupsPerStage; ++h) {
+    const int group = kb / kGroup + h;
+    if (group * kGroup >= k) break;  // uniform: past the last group
+    float d[NT][4] = {};
+#pragma unroll
+    for (int jj = 0; jj < kChunks / kGroupsPerStage; ++jj) {
+      const int j = h * (kChunks / kGroupsPerStage) + jj;
+      uint32_t lo[8], hi[8];
+      to_half2x8(s.lo[j], lo);
+      to_half2x8(s.hi[j], hi);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t xb[8];
+        to_half2x8(s.x[nt][j], xb);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
+          const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
+          mma_m16n8k16(d[nt], a, b);
+        }
+      }
+    }
+    const float ws = __ldg(w_scale_row + group);
+    const float* xs = x_scales + static_cast<int64_t>(group) * scale_stride;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int c0 = nt * 8 + 2 * t4;  // d[nt][0], [2]: token c0; [1], [3]: token c0 + 1
+      const float s0 = c0 < ntok ? ws * __ldg(xs + c0) : 0.f;
+      const float s1 = c0 + 1 < ntok ? ws * __ldg(xs + c0 + 1) : 0.f;
+      acc[nt][0] = fmaf(d[nt][0], s0, acc[nt][0]);
+      acc[nt][1] = fmaf(d[nt][1], s1, acc[nt][1]);
+      acc[nt][2] = fmaf(d[nt][2], s0, acc[nt][2]);
+      acc[nt][3] = fmaf(d[nt][3], s1, acc[nt][3]);
+    }
+  }
+}
+
+// Grid ceil(n / 16) CTAs of kWarps warps; CTA b owns rows 16 b .. 16 b + 15 for every token, warp
+// w the stages w, w + kWarps, ..., kStagesInFlight of them in registers at a time. NT mma tiles
+// of 8 tokens.
+template <int kWarps, int kStagesInFlight, int NT, bool kPdl>
+__global__ void __launch_bounds__(32 * kWarps)
+    tokens_kernel(__nv_bfloat16* __restrict__ out,    // [ntok, n]
+                  const uint8_t* __restrict__ xq,      // [ntok, k] e4m3
+                  const float* __restrict__ x_scales,  // [ceil(k / 128), scale_stride]
+                  int scale_stride,
+                  const uint8_t* __restrict__ w,       // [n, k] e4m3
+                  const float* __restrict__ w_scales,  // [ceil(n / 128), ceil(k / 128)]
+                  int n, int k, int ntok) {
+  constexpr int S = kStagesInFlight;
+  __shared__ float partial[kWarps][kRows][NT * 8 + 1];
+  const int stages = (k + kStageCols - 1) / kStageCols;
+  const int groups = (k + kGroup - 1) / kGroup;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t4 = lane % 4, lane_col = 16 * t4;
+  const int row0 = blockIdx.x * kRows;
+  const bool lo_ok = row0 + g < n, hi_ok = row0 + g + 8 < n;
+  const uint8_t* row_lo = w + static_cast<int64_t>(lo_ok ? row0 + g : 0) * k;
+  const uint8_t* row_hi = w + static_cast<int64_t>(hi_ok ? row0 + g + 8 : 0) * k;
+  const uint8_t* x_row[NT];
+  bool x_ok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    x_ok[nt] = nt * 8 + g < ntok;
+    x_row[nt] = xq + static_cast<int64_t>(x_ok[nt] ? nt * 8 + g : 0) * k;
+  }
+  // The weight streams in before the wait (no kernel's output); x, the previous kernel's, after.
+  TokenStage<NT> buf[S];
+#pragma unroll
+  for (int j = 0; j < S; ++j)
+    load_token_weights(buf[j], row_lo, row_hi, lo_ok, hi_ok, (warp + j * kWarps) * kStageCols,
+                       lane_col, k);
+  if constexpr (kPdl) pdl_wait();
+#pragma unroll
+  for (int j = 0; j < S; ++j)
+    load_token_x(buf[j], x_row, x_ok, (warp + j * kWarps) * kStageCols, lane_col, k);
+  const float* w_scale_row = w_scales + static_cast<int64_t>(row0 / kGroup) * groups;
+  float acc[NT][4] = {};
+  for (int s = warp; s < stages; s += S * kWarps) {
+#pragma unroll
+    for (int j = 0; j < S; ++j) {
+      const int st = s + j * kWarps;
+      if (st < stages)
+        compute_token_stage(buf[j], st * kStageCols, k, t4, w_scale_row, x_scales, scale_stride,
+                            ntok, acc);
+      const int next = (st + S * kWarps) * kStageCols;
+      load_token_weights(buf[j], row_lo, row_hi, lo_ok, hi_ok, next, lane_col, k);
+      load_token_x(buf[j], x_row, x_ok, next, lane_col, k);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int c0 = nt * 8 + 2 * t4;
+    partial[warp][g][c0] = acc[nt][0];
+    partial[warp][g][c0 + 1] = acc[nt][1];
+    partial[warp][g + 8][c0] = acc[nt][2];
+    partial[warp][g + 8][c0 + 1] = acc[nt][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kRows * NT * 8; i += 32 * kWarps) {
+    const int r = i % kRows, c = i / kRows;  // consecutive threads: consecutive rows of a token
+    if (c < ntok && row0 + r < n) {
+      float sum = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) sum += partial[ww][r][c];
+      out[static_cast<int64_t>(c) * n + row0 + r] = __float2bfloat16_rn(sum);
+    }
+  }
   if constexpr (kPdl) pdl_launch_dependents();
 }
 
@@ -267,15 +433,51 @@ cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales,
   auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* wb = static_cast<const uint8_t*>(w);
   const int ni = static_cast<int>(n), ki = static_cast<int>(k);
-  const bool pdl = current_device_info().cc_major >= 9;
-  auto kernel = pdl ? gemv_kernel<true> : gemv_kernel<false>;
+  const DeviceInfo d = current_device_info();
+  const bool pdl = d.cc_major >= 9;
+  // The CTA's warps, by the grid (see the top of the file): 8 when the CTAs fill at most two a
+  // SM, else 4.
+  const bool wide = static_cast<int64_t>(grid.x) <= 2 * static_cast<int64_t>(d.num_sms);
+  auto kernel = wide ? (pdl ? gemv_kernel<8, true> : gemv_kernel<8, false>)
+                     : (pdl ? gemv_kernel<4, true> : gemv_kernel<4, false>);
   if (smem > 48 * 1024) {
-    static std::atomic<bool> allowed[2][kMaxDevices];
-    const cudaError_t err = allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[pdl]);
+    static std::atomic<bool> allowed[4][kMaxDevices];
+    const cudaError_t err =
+        allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[2 * wide + pdl]);
     if (err != cudaSuccess) return err;
   }
-  return launch_ex(kernel, LaunchConfig(grid, dim3(kThreads), smem, stream, pdl, 1), o, xb, wb,
-                   w_scales, ni, ki);
+  return launch_ex(kernel, LaunchConfig(grid, dim3(wide ? 256 : 128), smem, stream, pdl, 1), o,
+                   xb, wb, w_scales, ni, ki);
+}
+
+bool tokens_gemv_fits(int64_t t, int64_t n) {
+  return t >= 1 && (t <= 8 || (t <= 2 * kTokensPerTile && n < kTokensWideN));
+}
+
+cudaError_t gemv_tokens(void* out, const void* xq, const float* x_scales, int64_t scale_stride,
+                        const void* w, const float* w_scales, int64_t t, int64_t n, int64_t k,
+                        cudaStream_t stream) {
+  if (n == 0 || t == 0) return cudaSuccess;
+  if (t < 0 || t > 2 * kTokensPerTile || n < 0 || k <= 0 || n % 8 || k % 16 ||
+      n > (int64_t{1} << 30) || k > (int64_t{1} << 20) || scale_stride < t ||
+      scale_stride > (int64_t{1} << 30) || !aligned16(xq) || !aligned16(w) ||
+      x_scales == nullptr || w_scales == nullptr)
+    return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
+  auto* o = static_cast<__nv_bfloat16*>(out);
+  auto* xb = static_cast<const uint8_t*>(xq);
+  auto* wb = static_cast<const uint8_t*>(w);
+  const int ni = static_cast<int>(n), ki = static_cast<int>(k), ti = static_cast<int>(t);
+  const int ss = static_cast<int>(scale_stride);
+  const bool pdl = current_device_info().cc_major >= 9;
+  if (t <= kTokensPerTile) {
+    auto kernel = pdl ? tokens_kernel<4, 2, 1, true> : tokens_kernel<4, 2, 1, false>;
+    return launch_ex(kernel, LaunchConfig(grid, dim3(128), 0, stream, pdl, 1), o, xb, x_scales,
+                     ss, wb, w_scales, ni, ki, ti);
+  }
+  auto kernel = pdl ? tokens_kernel<8, 1, 2, true> : tokens_kernel<8, 1, 2, false>;
+  return launch_ex(kernel, LaunchConfig(grid, dim3(256), 0, stream, pdl, 1), o, xb, x_scales, ss,
+                   wb, w_scales, ni, ki, ti);
 }
 
 }  // namespace qwen3_kernels::fp8

@@ -727,8 +727,9 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     """x [T, K] @ dequant(weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/128),
     ceil(K/128)] fp32)^T -> out [T, N] in x's dtype, with x quantized per token per 128-group
     first (reference.linear_fp8). K a multiple of 16, N of 8. On Hopper with bf16 x the kernel
-    csrc/kernels/gemm/linear_fp8.cu picks runs (the FP8 GEMV at one token, the CUTLASS
-    block-scaled GEMM above); other dtypes and GPUs run the reference."""
+    csrc/kernels/gemm/linear_fp8.cu picks runs (the FP8 GEMV at one token, the same
+    weight-streaming pass over a few tokens, the CUTLASS block-scaled GEMM above); other dtypes
+    and GPUs run the reference."""
     op = "linear_fp8"
     checked = not _trusted()
     if checked:

@@ -21,7 +21,9 @@ Compute-bound and long (up to 6 ms a call): timed eagerly, 3 calls a path, then 
 alternating (common.rematch). Part (a) in full is about 10 minutes of H200 time.
 (b) T = 1, 16, 64 on the 8B shapes: ours vs cuBLAS bf16, TB/s of the bytes ours must move (the
 e4m3 weight, its scales, x and out); baseline_tbs is cuBLAS's own (its bf16 weight is twice the
-bytes). T = 1 measures the FP8 GEMV (linear_fp8_gemv.cu) through the same op. Input sets rotate
+bytes). T = 1 measures the FP8 GEMV (linear_fp8_gemv.cu) through the same op, T = 16 its pass
+over a few tokens (qkv, o, down; gate_up's N >= 16384 takes the GEMM there), T = 64 the CUTLASS
+GEMM (csrc/kernels/gemm/linear_fp8.cu picks). Input sets rotate
 past the L2 and calls are replayed from a CUDA graph, as in bench_linear.py.
 """
 

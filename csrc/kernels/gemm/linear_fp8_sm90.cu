@@ -197,7 +197,8 @@ enum class Config { kCoop128, kPingpong64 };
 // The choice, by shape. Not measured: the rule below is the starting point that
 // benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
 // what each configuration measured on the H200 and why the winner won).
-//   - Few tokens (M <= 64): Coop128. N / 128 tiles (32 for a 4096-row weight) would leave most
+//   - Few tokens (M <= 64; up to 16 linear_fp8.cu runs the weight-streaming pass instead where
+//     fp8::tokens_gemv_fits): Coop128. N / 128 tiles (32 for a 4096-row weight) would leave most
 //     of the 132 SMs idle under a data-parallel grid; only the stream-K scheduler spreads the
 //     K loop of those tiles over every SM, and the weight read is the whole cost.
 //   - Mid M: Pingpong64 when its 64-row tiles already fill the SMs at least twice over

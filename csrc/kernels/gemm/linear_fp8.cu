@@ -34,7 +34,8 @@ Layout layout(int64_t m, int64_t n, int64_t k) {
   const int64_t groups = (k + fp8::kGroup - 1) / fp8::kGroup;
   l.scale_stride = (m + 3) / 4 * 4;
   l.scales_offset = round_up(static_cast<size_t>(m * k), kAlign);
-  l.gemm_offset = l.scales_offset + round_up(static_cast<size_t>(groups * l.scale_stride) * 4, kAlign);
+  l.gemm_offset =
+      l.scales_offset + round_up(static_cast<size_t>(groups * l.scale_stride) * 4, kAlign);
   l.bytes = l.gemm_offset +
             (fp8::tokens_gemv_fits(m, n) ? 0 : fp8::gemm_workspace_size(m, n, k));
   return l;

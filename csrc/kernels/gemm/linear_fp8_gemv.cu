@@ -16,8 +16,8 @@
 //     or 8 where the CTAs fill at most two a SM (N = 4096: one wave, more warps to stream with).
 //     Measured (H200, us, 8 warps against 4): o 8.78 / 9.15, down 19.41 / 21.34, but qkv (384
 //     CTAs) 12.88 / 10.78 and gate_up 36.27 / 31.00. More weight in flight lost everywhere else
-//     (3 or 4 stages a warp, 16 warps), as did converting e4m3 by bit moves instead of cvt: the
-//     kernel is bound by its instructions (cvt, the in-CTA quantization of x), not by latency.
+//     (3 or 4 stages a warp, 16 warps), so latency is not what bounds it; so did converting e4m3
+//     by bit moves instead of cvt, and x quantized once by quantize_fp8 instead of in every CTA.
 //     Its 16 rows are one 16 x K contiguous block of the weight; warp w reads the 256-column
 //     stages w, w + 4, ... of it, so the CTA's reads at any moment are about 16 rows x 1 KB.
 //     The 4 warps' partial sums meet in shared memory at the end; every output is written once.
@@ -178,7 +178,7 @@ __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
   }
 }
 
-// Grid ceil(n / 16) CTAs of 4 warps; CTA b owns rows 16 b .. 16 b + 15. Dynamic shared memory:
+// Grid ceil(n / 16) CTAs of kWarps warps; CTA b owns rows 16 b .. 16 b + 15. Dynamic shared memory:
 // [xh: stages * 256 f16][sc: stages * 2 fp32].
 template <int kWarps, bool kPdl>
 __global__ void __launch_bounds__(32 * kWarps)
@@ -243,21 +243,9 @@ __global__ void __launch_bounds__(32 * kWarps)
 // the lane's own columns (chunk j: the 16 bytes at kb + 64 j + 16 t), the mma's B operand.
 template <int NT>
 struct TokenStage {
-  uint4 lo[kChunks], hi[kChunks];
+  Stage w;
   uint4 x[NT][kChunks];
 };
-
-template <int NT>
-__device__ __forceinline__ void load_token_weights(TokenStage<NT>& s, const uint8_t* row_lo,
-                                                   const uint8_t* row_hi, bool lo_ok, bool hi_ok,
-                                                   int kb, int lane_col, int k) {
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const int col = kb + 64 * j + lane_col;
-    s.lo[j] = lo_ok && col < k ? load_stream<false>(row_lo + col) : make_uint4(0, 0, 0, 0);
-    s.hi[j] = hi_ok && col < k ? load_stream<false>(row_hi + col) : make_uint4(0, 0, 0, 0);
-  }
-}
 // x through L1 (every CTA of an SM reads the same [T, K]); tokens past T read nothing, hold 0.
 template <int NT>
 __device__ __forceinline__ void load_token_x(TokenStage<NT>& s, const uint8_t* const (&x_row)[NT],
@@ -289,8 +277,8 @@ __device__ __forceinline__ void compute_token_stage(const TokenStage<NT>& s, int
     for (int jj = 0; jj < kChunks / kGroupsPerStage; ++jj) {
       const int j = h * (kChunks / kGroupsPerStage) + jj;
       uint32_t lo[8], hi[8];
-      to_half2x8(s.lo[j], lo);
-      to_half2x8(s.hi[j], hi);
+      to_half2x8(s.w.lo[j], lo);
+      to_half2x8(s.w.hi[j], hi);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t xb[8];
@@ -351,8 +339,8 @@ __global__ void __launch_bounds__(32 * kWarps)
   TokenStage<NT> buf[S];
 #pragma unroll
   for (int j = 0; j < S; ++j)
-    load_token_weights(buf[j], row_lo, row_hi, lo_ok, hi_ok, (warp + j * kWarps) * kStageCols,
-                       lane_col, k);
+    load_stage(buf[j].w, row_lo, row_hi, lo_ok, hi_ok, (warp + j * kWarps) * kStageCols, lane_col,
+               k);
   if constexpr (kPdl) pdl_wait();
 #pragma unroll
   for (int j = 0; j < S; ++j)
@@ -367,7 +355,7 @@ __global__ void __launch_bounds__(32 * kWarps)
         compute_token_stage(buf[j], st * kStageCols, k, t4, w_scale_row, x_scales, scale_stride,
                             ntok, acc);
       const int next = (st + S * kWarps) * kStageCols;
-      load_token_weights(buf[j], row_lo, row_hi, lo_ok, hi_ok, next, lane_col, k);
+      load_stage(buf[j].w, row_lo, row_hi, lo_ok, hi_ok, next, lane_col, k);
       load_token_x(buf[j], x_row, x_ok, next, lane_col, k);
     }
   }

@@ -1,7 +1,8 @@
 """The online engine (AsyncLLM) on CPU with the demo checkpoint: concurrent generate_async streams
 equal the offline LLM.generate (greedy); a request added while another runs joins the batch;
 abort_request, leaving the `async for` and cancelling the task free the request's KV blocks;
-add_request rejects bad requests at once; a failure inside one request fails only that one;
+add_request rejects bad requests at once; a request's outputs read after it finished are whole;
+a failure inside one request fails only that one;
 deltas carry logprobs; shutdown returns in bounded time, draining or aborting what is in flight.
 
 Each test drives its own event loop with asyncio.run, under a wait_for bound.
@@ -125,6 +126,36 @@ def test_a_request_added_while_another_runs_joins_the_batch(engine, ref):
     assert order == ["short", "long"]
     assert joined(long_d)[0] == want_long.token_ids and joined(short_d)[0] == want_short.token_ids
     assert len(long_d) > 100  # it streamed token by token, not in one piece
+
+
+def test_outputs_read_after_the_request_finished(engine, ref):
+    """A server queues a request, then starts its stream: a short request may end in between.
+    Its reader still gets every delta; each request has one reader; an unread finished request
+    keeps its id until it is read."""
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = ref.generate(["late reader"], sp, use_tqdm=False)[0]
+
+    async def main():
+        rid = engine.add_request("late reader", sp)
+        await until(lambda: engine.stats()["requests"] == 0, 30, "the request finishing")
+        with pytest.raises(ValueError, match="already running or its outputs are unread"):
+            engine.add_request("again", sp, request_id=rid)
+        deltas = [d async for d in engine.outputs(rid)]
+        with pytest.raises(ValueError, match="another caller reads them"):
+            async for _ in engine.outputs(rid):
+                pass
+        return deltas
+
+    assert joined(run(main()))[0] == want.token_ids
+    rid = engine.add_request("late reader", sp)  # outside an event loop: the blocking reader
+    deadline = time.monotonic() + 30
+    while engine.stats()["requests"]:
+        assert time.monotonic() < deadline, "the request did not finish"
+        time.sleep(0.01)
+    assert joined(list(engine.iter_outputs(rid, timeout=30)))[0] == want.token_ids
+    with pytest.raises(ValueError, match="added from an event loop"):
+        run(engine.outputs(rid).__anext__())
+    assert idle(engine) and not engine._unclaimed
 
 
 def test_abort_request_frees_blocks_and_ends_the_stream(engine):

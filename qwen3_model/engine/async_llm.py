@@ -40,7 +40,8 @@ class EngineStopped(RuntimeError):
 
 
 class _Request:
-    __slots__ = ("rid", "ids", "params", "seq", "state", "sink", "loop", "arrival", "last_token")
+    __slots__ = ("rid", "ids", "params", "seq", "state", "sink", "loop", "arrival", "last_token",
+                 "done_at")
 
     def __init__(self, rid, ids, params, sink, loop):
         self.rid, self.ids, self.params = rid, ids, params
@@ -50,9 +51,14 @@ class _Request:
         self.loop = loop
         self.arrival = time.monotonic()
         self.last_token: float | None = None
+        self.done_at: float | None = None  # when its last delta was handed out
 
 
 class AsyncLLM:
+    # A finished request whose outputs nobody claimed is kept this long for a late reader (a
+    # server's stream starts after the request is queued, and a short request may end first).
+    UNCLAIMED_KEEP_S = 300.0
+
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self.config = self.engine.config
@@ -63,6 +69,7 @@ class AsyncLLM:
         self._adds: list[_Request] = []
         self._aborts: list[str] = []
         self._requests: dict[str, _Request] = {}  # every request not yet done, by id
+        self._unclaimed: dict[str, _Request] = {}  # requests whose outputs nobody reads yet
         self._by_seq: dict[int, _Request] = {}  # (loop thread) the same, by sequence id
         self._failed: list = []  # (loop thread) sequences of failed requests, ended by apply
         self._ids = itertools.count()
@@ -90,10 +97,13 @@ class AsyncLLM:
             if not self._admitting:
                 raise EngineStopped(self._why_stopped())
             rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self._requests:
-                raise ValueError(f"request id {rid!r} is already running")
+            if rid in self._requests or rid in self._unclaimed:
+                raise ValueError(f"request id {rid!r} is already running or its outputs are "
+                                 "unread")
             req = _Request(rid, ids, sp, sink, loop)
             self._requests[rid] = req
+            self._drop_stale_unclaimed()
+            self._unclaimed[rid] = req
             self._adds.append(req)
             self._lock.notify()
         self.metrics.prompt_tokens += len(ids)
@@ -107,11 +117,31 @@ class AsyncLLM:
                 self._aborts.append(request_id)
                 self._lock.notify()
 
+    def _claim(self, request_id: str, in_loop: bool) -> _Request:
+        """The request whose outputs the caller reads from now on (each has one reader); a
+        request that has finished meanwhile is still there, its deltas queued."""
+        with self._lock:
+            req = self._unclaimed.get(request_id)
+            if req is None or (req.loop is not None) != in_loop:
+                where = "from an event loop" if in_loop else "outside an event loop"
+                raise ValueError(f"no request {request_id!r} added {where} whose outputs are "
+                                 "unread (unknown id, or another caller reads them)")
+            del self._unclaimed[request_id]
+        return req
+
+    def _drop_stale_unclaimed(self) -> None:
+        """(under the lock) Forget finished requests nobody claimed within UNCLAIMED_KEEP_S."""
+        if not self._unclaimed:
+            return
+        old = time.monotonic() - self.UNCLAIMED_KEEP_S
+        for rid in [r for r, q in self._unclaimed.items()
+                    if q.done_at is not None and q.done_at < old]:
+            del self._unclaimed[rid]
+
     async def outputs(self, request_id: str) -> AsyncIterator[StreamDelta]:
-        """The deltas of a request added from this event loop; leaving early aborts it."""
-        req = self._requests.get(request_id)
-        if req is None or req.loop is None:
-            raise ValueError(f"no request {request_id!r} added from an event loop is running")
+        """The deltas of a request added from this event loop, from its first one (even if it
+        has finished); leaving early aborts it."""
+        req = self._claim(request_id, in_loop=True)
         finished = False
         try:
             while True:
@@ -128,10 +158,8 @@ class AsyncLLM:
                 self.abort_request(request_id)
 
     def iter_outputs(self, request_id: str, timeout: float | None = None) -> Iterator[StreamDelta]:
-        """The deltas of a request added outside an event loop (blocking)."""
-        req = self._requests.get(request_id)
-        if req is None or req.loop is not None:
-            raise ValueError(f"no request {request_id!r} added outside an event loop is running")
+        """The deltas of a request added outside an event loop (blocking), from its first one."""
+        req = self._claim(request_id, in_loop=False)
         finished = False
         try:
             while not finished:
@@ -270,6 +298,7 @@ class AsyncLLM:
                 self._by_seq.pop(req.seq.seq_id if req.seq is not None else -1, None)
                 with self._lock:
                     self._requests.pop(req.rid, None)
+                    req.done_at = time.monotonic()
             by_loop.setdefault(req.loop, []).append((req, item))
         for loop, batch in by_loop.items():
             if loop is None:

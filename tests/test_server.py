@@ -300,6 +300,68 @@ def test_seed_reproducibility(client, ref):
     assert a == want[0].text
 
 
+def test_n_choices(client, server, ref):
+    """n choices a prompt: choice index = prompt index * n + j; choice j of a seeded request
+    samples with seed + j; the prompt counts once in usage; streams interleave the choices."""
+    prompts = ["Many choices", [7, 8, 9, 10]]
+    greedy = offline(ref, prompts, temperature=0, max_tokens=6, ignore_eos=True)
+    r = client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    for c in r.choices:
+        assert (c.text, c.finish_reason) == (greedy[c.index // 3].text, "length")
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in greedy)
+    assert r.usage.completion_tokens == 36
+
+    kw = dict(model=MODEL, prompt="Seeded choices", max_tokens=12, temperature=1.0, seed=77,
+              extra_body={"ignore_eos": True})
+    want = [offline(ref, ["Seeded choices"], temperature=1.0, max_tokens=12, ignore_eos=True,
+                    seed=77 + j)[0].text for j in range(4)]
+    assert len(set(want)) > 1
+    r = client.completions.create(**kw, n=4, best_of=4)
+    assert [c.text for c in r.choices] == want
+    assert client.completions.create(**kw).choices[0].text == want[0]  # n = 1: choice 0
+
+    events = read_sse(server, C, dict(kw.pop("extra_body"), **kw, n=4, stream=True, echo=True))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 48
+    text, reasons = ["" for _ in want], [[] for _ in want]
+    for ch in chunks[:-1]:
+        (c,) = ch["choices"]
+        text[c["index"]] += c["text"]
+        reasons[c["index"]].append(c["finish_reason"])
+    assert text == ["Seeded choices" + w for w in want]  # echo: each choice's first chunk
+    assert all(rs[-1] == "length" and not any(rs[:-1]) for rs in reasons), reasons
+
+    # chat: n choices whole and streamed
+    messages = [{"role": "user", "content": "Pick one"}]
+    prompt = ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = [offline(ref, [prompt], temperature=1.0, max_tokens=8, ignore_eos=True,
+                    seed=5 + j)[0].text for j in range(3)]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 1.0,
+            "seed": 5, "n": 3, "ignore_eos": True}
+    status, whole = post_json(server, CH, body)
+    assert status == 200, whole
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in whole["choices"]] \
+        == [(j, w, "length") for j, w in enumerate(want)]
+    assert whole["usage"]["prompt_tokens"] == len(ref.tokenizer(prompt)["input_ids"])
+    assert whole["usage"]["completion_tokens"] == 24
+    events = read_sse(server, CH, dict(body, stream=True))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"] == whole["usage"]
+    content, deltas = ["", "", ""], [[], [], []]
+    for ch in chunks[:-1]:
+        (c,) = ch["choices"]
+        deltas[c["index"]].append((c["delta"], c["finish_reason"]))
+        content[c["index"]] += c["delta"].get("content", "")
+    assert content == want
+    for ds in deltas:  # role first, the finish reason last in a chunk of its own
+        assert ds[0] == ({"role": "assistant", "content": ""}, None)
+        assert ds[-1] == ({}, "length") and all(f is None for _, f in ds[:-1])
+
+
 # ---- logprobs ---------------------------------------------------------------------------------
 
 def test_completion_logprobs(client, ref):
@@ -380,15 +442,18 @@ ERRORS = {
     "chat_logprobs_type": (CH, chat(logprobs=3), 400, "logprobs"),
     "temperature_negative": (C, comp(temperature=-1), 400, "temperature"),
     "top_p_zero": (C, comp(top_p=0), 400, "top_p"),
-    "n_2": (C, comp(n=2), 400, "n"),
+    "n_0": (C, comp(n=0), 400, "n"),
+    "n_129": (C, comp(n=129), 400, "n"),
+    "n_type": (C, comp(n=1.5), 400, "n"),
     "logprobs_21": (C, comp(logprobs=21), 400, "logprobs"),
     "max_tokens_0": (C, comp(max_tokens=0), 400, "max_tokens"),
     "presence_penalty": (C, comp(presence_penalty=1), 400, "presence_penalty"),
     "frequency_penalty": (CH, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
     "best_of": (C, comp(best_of=2), 400, "best_of"),
+    "best_of_above_n": (C, comp(n=2, best_of=3), 400, "best_of"),
     "logit_bias": (C, comp(logit_bias={"5": 1}), 400, "logit_bias"),
     "suffix": (C, comp(suffix="the end"), 400, "suffix"),
-    "chat_n_2": (CH, chat(n=2), 400, "n"),
+    "chat_n_0": (CH, chat(n=0), 400, "n"),
     "chat_temperature_negative": (CH, chat(temperature=-1), 400, "temperature"),
     "top_logprobs_without_logprobs": (CH, chat(top_logprobs=2), 400, "top_logprobs"),
     "top_logprobs_21": (CH, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
@@ -611,6 +676,9 @@ def test_overload_gives_503_and_recovers(small_server, ckpt):
     # a prompt + max_tokens that can never fit the KV cache
     status, body = post_json(srv, C, {"model": ckpt, "prompt": "hi", "max_tokens": 400})
     assert_error(status, body, 400, "max_tokens")
+    # more generations (prompts x n) than the server ever queues: not a retry later
+    status, body = post_json(srv, C, {"model": ckpt, "prompt": "hi", "max_tokens": 3, "n": 2})
+    assert "queues at most 1" in assert_error(status, body, 400, "n")["message"]
 
 
 def test_sigterm_drains_then_exits_0(ckpt, logs):

@@ -34,7 +34,7 @@ def error_response(e: P.APIError) -> JSONResponse:
 
 
 class _Choice:
-    """One prompt's generation, accumulated from its deltas."""
+    """One choice's generation (a prompt's, n of them a prompt), accumulated from its deltas."""
 
     def __init__(self, index: int, prompt_ids: list[int]):
         self.index = index
@@ -99,8 +99,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
             raise P.bad("prompt", "this model has no tokenizer: send token ids")
         return list(tok(prompt)["input_ids"])
 
-    def admit(prompts_ids: list[list[int]], params) -> list[str]:
-        """Queue one request per prompt (all checked first); -> their ids."""
+    def admit(prompts_ids: list[list[int]], params: list) -> list[str]:
+        """Queue one request per (prompt, its SamplingParams), all checked first; -> their ids."""
+        if len(prompts_ids) > max_waiting_requests:  # (would never fit: not a retry later)
+            raise P.bad("n", f"this request asks for {len(prompts_ids)} generations (prompts "
+                             f"x n); the server queues at most {max_waiting_requests}")
         if engine.num_waiting() + len(prompts_ids) > max_waiting_requests:
             raise P.APIError(503, f"the server is overloaded: more than {max_waiting_requests} "
                                   "requests are waiting; retry later",
@@ -111,8 +114,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
             raise P.engine_error(e) from None
         rids = []
         try:
-            for ids in prompts_ids:
-                rids.append(engine.add_request(ids, params))
+            for ids, sp in zip(prompts_ids, params):
+                rids.append(engine.add_request(ids, sp))
         except EngineStopped as e:
             for rid in rids:
                 engine.abort_request(rid)
@@ -219,13 +222,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
         req = P.completion_request(body)
         prompts_ids = [encode(p) for p in req.prompts]
         params = req.params
-        rids = admit(prompts_ids, params)
-        choices = [_Choice(i, ids) for i, ids in enumerate(prompts_ids)]
+        n = req.n
+        # choice i = prompt i // n, its choice i % n
+        choice_ids = [ids for ids in prompts_ids for _ in range(n)]
+        rids = admit(choice_ids, P.choice_params(params, n) * len(prompts_ids))
+        choices = [_Choice(i, ids) for i, ids in enumerate(choice_ids)]
         cid = P.new_id("cmpl")
         now = int(time.time())
-        prompt_tokens = sum(len(ids) for ids in prompts_ids)
+        prompt_tokens = sum(len(ids) for ids in prompts_ids)  # (once a prompt, as OpenAI's)
         echo_text = [p if isinstance(p, str) else (tok.decode(p) if tok else "")
-                     for p in req.prompts] if req.echo else None
+                     for p in req.prompts for _ in range(n)] if req.echo else None
 
         visible = visible_of(params)
 
@@ -296,50 +302,56 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
             max_tokens = max(1, min(max_model_len, pool_tokens) - len(ids_))
         params = P.sampling_params(body, max_tokens, req.logprobs)
         try:
-            rids = admit([ids_], params)
+            rids = admit([ids_] * req.n, P.choice_params(params, req.n))
         except P.APIError as e:
             if e.param == "prompt":
                 e.param = "messages"
             raise
-        choice = _Choice(0, ids_)
+        choices = [_Choice(i, ids_) for i in range(req.n)]
         cid = P.new_id("chatcmpl")
         now = int(time.time())
+
+        def chunk(i: int, delta: dict, lp=None, finish_reason=None) -> str:
+            return _sse(P.envelope(cid, "chat.completion.chunk", served_model_name, [
+                {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}],
+                now))
+
+        def usage():
+            return P.usage(len(ids_), sum(c.num_tokens for c in choices))
 
         visible = visible_of(params)
         if req.stream:
             async def gen():
-                yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name, [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}], now))
+                for i in range(req.n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
                 try:
-                    async for _, d in merged(rids):
-                        ids, lps = choice.add(d, visible)
+                    async for i, d in merged(rids):
+                        ids, lps = choices[i].add(d, visible)
                         lp = (P.chat_logprobs(lps, ids, text_of)
                               if req.logprobs is not None else None)
                         if d.text or lp is not None or not d.finished:
-                            yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name,
-                                                  [{"index": 0, "delta": {"content": d.text},
-                                                    "logprobs": lp, "finish_reason": None}], now))
+                            yield chunk(i, {"content": d.text}, lp)
                         if d.finished:  # (the finish reason in a chunk of its own, as OpenAI's)
-                            yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name,
-                                                  [{"index": 0, "delta": {}, "logprobs": None,
-                                                    "finish_reason": d.finish_reason}], now))
+                            yield chunk(i, {}, finish_reason=d.finish_reason)
                     yield _sse(P.envelope(cid, "chat.completion.chunk", served_model_name, [],
-                                          now, usage=P.usage(len(ids_), choice.num_tokens)))
+                                          now, usage=usage()))
                 except Exception as e:  # noqa: BLE001 - the stream ends with the error
                     yield fail_chunk(e)
                 yield "data: [DONE]\n\n"
 
             return sse_response(gen())
 
-        if not await run_to_end(request, rids, [choice], params):
+        if not await run_to_end(request, rids, choices, params):
             return Response(status_code=499)
-        lp = (P.chat_logprobs(choice.lps, choice.lp_ids, text_of)
-              if req.logprobs is not None else None)
-        return JSONResponse(P.envelope(cid, "chat.completion", served_model_name, [
-            {"index": 0, "message": {"role": "assistant", "content": "".join(choice.text)},
-             "logprobs": lp, "finish_reason": choice.finish_reason}], now,
-            usage=P.usage(len(ids_), choice.num_tokens)))
+        out = []
+        for c in choices:
+            lp = (P.chat_logprobs(c.lps, c.lp_ids, text_of)
+                  if req.logprobs is not None else None)
+            out.append({"index": c.index,
+                        "message": {"role": "assistant", "content": "".join(c.text)},
+                        "logprobs": lp, "finish_reason": c.finish_reason})
+        return JSONResponse(P.envelope(cid, "chat.completion", served_model_name, out, now,
+                                       usage=usage()))
 
     # ---- routes ----------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ returns them by default.
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 import uuid
@@ -19,6 +20,7 @@ from qwen3_model.engine.sequence import TokenLogprobs
 from qwen3_model.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices a prompt (OpenAI's bound for chat)
 
 
 class APIError(Exception):
@@ -97,11 +99,9 @@ def _unsupported(body: dict) -> None:
         if v is not None and v != neutral:
             raise bad(name, f"'{name}' is not supported (only {neutral})")
     n = get(body, "n", "int", 1)
-    if n != 1:
-        raise bad("n", f"'n' must be 1 (one choice per prompt), got {n}")
-    best_of = get(body, "best_of", "int", 1)
-    if best_of != 1:
-        raise bad("best_of", f"'best_of' must be 1, got {best_of}")
+    best_of = get(body, "best_of", "int", n)
+    if best_of != n:  # (more candidates than choices, ranked: not supported)
+        raise bad("best_of", f"'best_of' must equal 'n' ({n}), got {best_of}")
     if get(body, "logit_bias", "dict"):
         raise bad("logit_bias", "'logit_bias' is not supported")
     if body.get("suffix"):
@@ -136,6 +136,26 @@ def sampling_params(body: dict, max_tokens: int, logprobs: int | None,
                   str(e).replace("SamplingParams.", "")) from None
 
 
+def choices_per_prompt(body: dict) -> int:
+    n = get(body, "n", "int", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"'n' must be in [1, {MAX_N}] (choices per prompt), got {n}")
+    return n
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling params of a prompt's n choices: choice j samples with seed + j (a seeded
+    request stays reproducible, and its choices differ); unseeded ones share ``params``."""
+    if params.seed is None:
+        return [params] * n
+    out = [params]
+    for j in range(1, n):
+        sp = copy.copy(params)
+        sp.seed = params.seed + j
+        out.append(sp)
+    return out
+
+
 def _logprobs_count(body: dict, name: str) -> int | None:
     n = get(body, name, "int")
     if n is not None and not 0 <= n <= MAX_LOGPROBS:
@@ -156,6 +176,7 @@ class CompletionRequest:
     stream: bool
     echo: bool
     logprobs: int | None
+    n: int  # choices per prompt: choice index = prompt index * n + j
 
 
 def completion_request(body: dict) -> CompletionRequest:
@@ -178,9 +199,10 @@ def completion_request(body: dict) -> CompletionRequest:
     echo = get(body, "echo", "bool", False)
     stream = get(body, "stream", "bool", False)
     stream_options(body)
+    n = choices_per_prompt(body)
     params = sampling_params(body, max_tokens, logprobs,
                              prompt_logprobs=logprobs if echo and logprobs is not None else None)
-    return CompletionRequest(prompts, params, stream, echo, logprobs)
+    return CompletionRequest(prompts, params, stream, echo, logprobs, n)
 
 
 _ROLES = ("system", "user", "assistant")
@@ -222,6 +244,7 @@ class ChatRequest:
     logprobs: int | None  # top_logprobs when logprobs is true, else None
     stream: bool
     template_kwargs: dict
+    n: int  # choices
 
 
 def chat_request(body: dict) -> ChatRequest:
@@ -235,7 +258,7 @@ def chat_request(body: dict) -> ChatRequest:
     stream = get(body, "stream", "bool", False)
     stream_options(body)
     return ChatRequest(messages, max_tokens, (top or 0) if want else None, stream,
-                       get(body, "chat_template_kwargs", "dict", {}))
+                       get(body, "chat_template_kwargs", "dict", {}), choices_per_prompt(body))
 
 
 def engine_error(e: ValueError) -> APIError:

@@ -626,6 +626,61 @@ def test_client_disconnect_mid_request_aborts(server):
     assert finished(after, "length") == finished(before, "length")
 
 
+def test_a_stream_left_before_its_body_starts_is_aborted(ckpt):
+    """The client goes away while the SSE response still sends its headers (the ASGI app called
+    in process, its first send never returning), so the body's generator never runs: the
+    response itself must abort the request (without that it generated its max_tokens for
+    nobody and finished "length")."""
+    import asyncio
+
+    from qwen3_model.engine.async_llm import AsyncLLM
+    from qwen3_model.server.app import build_app
+    from tests.server_fixtures import parse_prometheus
+
+    engine = AsyncLLM(ckpt, device="cpu", kvcache_block_size=BS, max_model_len=MAX_LEN,
+                      num_kvcache_blocks=64)
+    try:
+        app = build_app(engine, MODEL)
+        body = json.dumps(comp(prompt="Leave early", max_tokens=MAX_LEN - 20, temperature=0,
+                               stream=True, ignore_eos=True)).encode()
+        sent = []
+
+        async def leave_before_the_body():
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive():
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message):
+                sent.append(message["type"])
+                if message["type"] == "http.response.start":
+                    await asyncio.sleep(3600)  # the headers never leave: the body never starts
+
+            scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                     "http_version": "1.1", "method": "POST", "scheme": "http", "path": C,
+                     "raw_path": C.encode(), "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+            await asyncio.wait_for(app(scope, receive, send), 30)
+            # (in this loop: the engine hands the request's last delta, and its count in the
+            # metrics, to the loop it was added from)
+            for _ in range(200):
+                m = parse_prometheus(engine.metrics.render(engine.stats()))
+                if finished(m, "abort") + finished(m, "length") > 0:
+                    return m
+                await asyncio.sleep(0.05)
+            raise AssertionError("the request neither aborted nor finished within 10 s")
+
+        m = asyncio.run(leave_before_the_body())
+        assert sent == ["http.response.start"]  # a stream, left before any of its body
+        assert finished(m, "abort") == 1 and finished(m, "length") == 0
+        stats = engine.stats()
+        assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0, stats
+    finally:
+        engine.shutdown()
+
+
 # ---- an overloaded server, SIGTERM ------------------------------------------------------------
 
 SMALL_BLOCKS = 24  # 384 token slots, less than max_model_len: a request can be too big for it

@@ -4,8 +4,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics. Request fields: ``protocol.py``. A client that goes
-away (mid-stream or while waiting for a whole response) has its request aborted, so its KV blocks
-are freed at the next step.
+away (before or during a stream, or while waiting for a whole response) has its request aborted,
+so its KV blocks are freed at the next step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,24 @@ def _json(obj) -> str:
 
 def _sse(obj) -> str:
     return f"data: {_json(obj)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` (abort the stream's requests; a no-op for finished
+    ones) however it ends. The generator's own cleanup is not enough: a client that leaves
+    before the body starts (the response still at its first send) cancels a generator that
+    never ran, so no ``finally`` of it runs, and its requests would generate to the end for
+    nobody."""
+
+    def __init__(self, gen, on_close):
+        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def error_response(e: P.APIError) -> JSONResponse:
@@ -195,9 +213,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
         work.result()  # re-raise a failure
         return True
 
-    def sse_response(gen) -> StreamingResponse:
-        return StreamingResponse(gen, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    def sse_response(gen, rids: list[str]) -> StreamingResponse:
+        return _EventStream(gen, lambda: [engine.abort_request(rid) for rid in rids])
 
     async def handle(request: Request, endpoint):
         try:
@@ -269,7 +286,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
                     yield fail_chunk(e)
                 yield "data: [DONE]\n\n"
 
-            return sse_response(gen())
+            return sse_response(gen(), rids)
 
         if not await run_to_end(request, rids, choices, params):
             return Response(status_code=499)  # (nobody reads it: the client left)
@@ -339,7 +356,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
                     yield fail_chunk(e)
                 yield "data: [DONE]\n\n"
 
-            return sse_response(gen())
+            return sse_response(gen(), rids)
 
         if not await run_to_end(request, rids, choices, params):
             return Response(status_code=499)

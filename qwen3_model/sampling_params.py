@@ -3,6 +3,7 @@
     SamplingParams(temperature=0.0, max_tokens=64)                 # greedy
     SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
     SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=0)  # + logprobs (sequence.py)
+    SamplingParams(logit_bias={9707: 5.0, 151643: -100.0})          # added to those logits
 
 Every field is checked when the object is built (and again by ``LLM.generate``, in case a field
 was changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was
@@ -23,6 +24,7 @@ import struct
 from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for (logprobs / prompt_logprobs)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range: -100 bans a token, 100 forces it)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: top_p (and min_p > 0) floor
 
@@ -54,6 +56,9 @@ class SamplingParams:
     # and the min_tokens bans (vLLM's default "raw_logprobs")
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
+    # token id -> a number in [-100, 100] added to that token's logit (in fp32) before sampling
+    # (before temperature and the filters; the logprobs stay raw, as above); None = no bias
+    logit_bias: dict[int, float] | None = None
 
     # Keyword-only and explicit, so an unknown keyword is a ValueError (as the API promises)
     # rather than the TypeError a generated dataclass __init__ would raise.
@@ -72,6 +77,7 @@ class SamplingParams:
         stop_token_ids: list[int] | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        logit_bias: dict[int, float] | None = None,
         **unknown,
     ):
         if unknown:
@@ -91,6 +97,7 @@ class SamplingParams:
         self.stop_token_ids = list(stop_token_ids or [])
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.logit_bias = dict(logit_bias) if isinstance(logit_bias, dict) else logit_bias
         self.__post_init__()
 
     def __post_init__(self):
@@ -146,6 +153,13 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"None or an integer in [0, {MAX_LOGPROBS}] (how many top tokens)")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(is_int(t) and t >= 0 and is_num(b) and abs(b) <= MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias.items())
+        ):
+            bad("logit_bias", f"None or a dict of token id (int >= 0) -> number in "
+                              f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     @property
     def greedy(self) -> bool:

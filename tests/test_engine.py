@@ -317,6 +317,30 @@ def test_bad_sampling_params_are_reported_by_index(llm, field, value):
     assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0].token_ids) == 10
 
 
+def test_logit_bias(llm):
+    """-100 bans the greedy token, +100 forces a token; an id outside the vocabulary is refused
+    before any work; the logprobs stay the raw model's."""
+    prompt = [5, 9, 2, 7]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2,
+                                                  ignore_eos=True), use_tqdm=False)[0]
+    first = plain.token_ids[0]
+    second = next(t for t, _ in plain.logprobs[0].top if t != first)
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2,
+                                                   ignore_eos=True, logit_bias={first: -100}),
+                          use_tqdm=False)[0]
+    assert banned.token_ids[0] == second
+    assert banned.logprobs[0].top == plain.logprobs[0].top  # raw, before the bias
+    forced = llm.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=5,
+                                                   ignore_eos=True, logit_bias={77: 100}),
+                          use_tqdm=False)[0]
+    assert forced.token_ids == [77] * 5
+    vocab = llm.config.hf_config.vocab_size
+    with pytest.raises(ValueError, match=f"request 1: logit_bias names token id {vocab}"):
+        llm.generate([prompt, prompt], [GREEDY, SamplingParams(logit_bias={vocab: 1.0})],
+                     use_tqdm=False)
+    assert llm.scheduler.is_finished()
+
+
 def test_other_request_errors(llm, tied):
     path = tied[0]
     with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):

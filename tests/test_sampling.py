@@ -1,4 +1,5 @@
-"""SamplingParams validation and the batched Sampler (greedy, top-k, top-p, min-p, seeds, bans)."""
+"""SamplingParams validation and the batched Sampler (greedy, top-k, top-p, min-p, seeds, bans,
+logit_bias)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ V = 97
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"),
+    (dict(logit_bias={3: 100.5}), "logit_bias"),
+    (dict(logit_bias={3: float("nan")}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"3": 1.0}), "logit_bias"),
+    (dict(logit_bias={True: 1.0}), "logit_bias"),
+    (dict(logit_bias=[(3, 1.0)]), "logit_bias"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -151,3 +158,28 @@ def test_seeded_noise_is_exponential():
     # rows with different keys are not copies of each other
     assert not torch.equal(e[0], e[1]) and not torch.equal(e[0], e[2])
     assert torch.equal(seeded_exponential(keys[:1], 20000), e[:1])
+
+
+def test_logit_bias_adds_to_each_rows_logits_before_sampling():
+    logits = logits_batch(6).to(torch.bfloat16)
+    top = logits.float().argmax(-1)
+    low = logits.float().argmin(-1)
+    # -100 on the best token moves greedy to the second best; +100 on the worst forces it
+    ban = [SamplingParams(temperature=0, logit_bias={int(top[r]): -100}) for r in range(6)]
+    second = logits.float().scatter(1, top.unsqueeze(1), float("-inf")).argmax(-1)
+    assert torch.equal(sample(logits, ban), second)
+    force = [SamplingParams(temperature=0.7, top_p=0.9, logit_bias={int(low[r]): 100})
+             for r in range(6)]
+    assert torch.equal(sample(logits, force), low)
+    # the bias is added in fp32: 8 + 0.07 beats 8.0625 (in bf16 it would round to a tie that
+    # the lower id wins)
+    row = torch.zeros(1, V, dtype=torch.bfloat16)
+    row[0, 5], row[0, 9] = 8.0625, 8.0
+    assert sample(row, [SamplingParams(temperature=0, logit_bias={9: 0.07})]).item() == 9
+    assert sample(row, [SamplingParams(temperature=0)]).item() == 5
+    # other rows sample as without the biased neighbour (seeded: the same draws)
+    seeded = [SamplingParams(temperature=1.0, seed=s) for s in range(5)]
+    alone = sample(logits[:5], seeded, positions=[3] * 5)
+    mixed = sample(logits, seeded + [SamplingParams(temperature=1.0, logit_bias={1: 2.5})],
+                   positions=[3] * 6)
+    assert torch.equal(mixed[:5], alone)

@@ -268,6 +268,23 @@ def test_echo(client, ref):
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_logit_bias(client, ref):
+    prompt = "Hello, my name is"
+    plain = offline(ref, [prompt], temperature=0, max_tokens=8, ignore_eos=True)[0]
+    bias = {plain.token_ids[0]: -100, 40: 2.5}
+    want = offline(ref, [prompt], temperature=0, max_tokens=8, ignore_eos=True,
+                   logit_bias=bias)[0]
+    assert want.token_ids[0] != plain.token_ids[0]
+    wire = {str(t): b for t, b in bias.items()}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  logit_bias=wire, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0, logit_bias={"77": 100},
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.tokenizer.decode([77] * 4)
+
+
 def test_stop_strings(client, ref):
     prompt = "Stop somewhere"
     full = offline(ref, [prompt], temperature=0, max_tokens=24, ignore_eos=True)[0].text
@@ -451,7 +468,10 @@ ERRORS = {
     "frequency_penalty": (CH, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
     "best_of": (C, comp(best_of=2), 400, "best_of"),
     "best_of_above_n": (C, comp(n=2, best_of=3), 400, "best_of"),
-    "logit_bias": (C, comp(logit_bias={"5": 1}), 400, "logit_bias"),
+    "logit_bias_key": (C, comp(logit_bias={"five": 1}), 400, "logit_bias"),
+    "logit_bias_value": (C, comp(logit_bias={"5": 101}), 400, "logit_bias"),
+    "logit_bias_value_type": (CH, chat(logit_bias={"5": "up"}), 400, "logit_bias"),
+    "logit_bias_out_of_vocab": (C, comp(logit_bias={"512": 1}), 400, "logit_bias"),
     "suffix": (C, comp(suffix="the end"), 400, "suffix"),
     "chat_n_0": (CH, chat(n=0), 400, "n"),
     "chat_temperature_negative": (CH, chat(temperature=-1), 400, "temperature"),

@@ -222,6 +222,9 @@ class LLMEngine:
                 sp.validate()
             except ValueError as e:
                 bad(str(e))
+            if sp.logit_bias and max(sp.logit_bias) >= vocab:
+                bad(f"logit_bias names token id {max(sp.logit_bias)}, outside the vocabulary "
+                    f"[0, {vocab})")
             if isinstance(prompt, str):
                 if tokenizer is None:
                     bad(f"a text prompt needs a tokenizer, and {self.config.model!r} has none; "

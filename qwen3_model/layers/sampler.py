@@ -62,6 +62,10 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None  # [K] int64, with banned_ids: logits set to -inf
     banned_ids: torch.Tensor | None  # [K] int64
     all_greedy: bool = False
+    # logit_bias: logits[bias_rows[j], bias_ids[j]] += bias_values[j] (in fp32), before the bans
+    bias_rows: torch.Tensor | None = None  # [B] int64
+    bias_ids: torch.Tensor | None = None  # [B] int64
+    bias_values: torch.Tensor | None = None  # [B] fp32
 
     @staticmethod
     def build(
@@ -90,6 +94,14 @@ class SamplingBatch:
             ids = [i for b in banned for i in b]
             banned_rows = to_dev(rows, torch.int64)
             banned_ids = to_dev(ids, torch.int64)
+        bias = {}
+        if [p.logit_bias for p in params].count(None) != len(params):
+            biased = [(r, t, b) for r, p in enumerate(params) if p.logit_bias
+                      for t, b in p.logit_bias.items()]
+            if biased:
+                rows, ids, values = zip(*biased)
+                bias = dict(bias_rows=to_dev(rows, torch.int64), bias_ids=to_dev(ids, torch.int64),
+                            bias_values=to_dev(values, torch.float32))
         temps = [p.temperature for p in params]
         greedy = None  # a temperature below GREEDY_TEMPERATURE is greedy (SamplingParams.greedy)
         num_greedy = 0
@@ -98,7 +110,7 @@ class SamplingBatch:
             num_greedy = greedy.count(True)
             if num_greedy == len(temps):
                 return SamplingBatch(None, None, None, None, None, None, None,
-                                     banned_rows, banned_ids, all_greedy=True)
+                                     banned_rows, banned_ids, all_greedy=True, **bias)
         sampled = [p for p, g in zip(params, greedy) if not g] if num_greedy else params
         top_k = top_p = min_p = None
         # each setting's distinct values (set comprehensions: cheaper than a generator per row)
@@ -131,14 +143,16 @@ class SamplingBatch:
             greedy_mask=to_dev(greedy, torch.bool) if greedy is not None else None,
             top_k=top_k, top_p=top_p, min_p=min_p,
             seeded_rows=seeded_rows, seed_keys=seed_keys,
-            banned_rows=banned_rows, banned_ids=banned_ids,
+            banned_rows=banned_rows, banned_ids=banned_ids, **bias,
         )
 
 
 class Sampler(nn.Module):
     """Greedy rows: argmax. Rows with temperature only (the common case): one pass of the
     ``sample_tokens`` kernel over the logits (score = logits / T - log(E), E ~ Exp(1) hashed from a
-    per-row key). Rows with top-k / top-p / min-p: the tensor path below (sort, softmax)."""
+    per-row key). Rows with top-k / top-p / min-p: the tensor path below (sort, softmax). Any
+    row's logit_bias is added first (the batch's logits then in fp32, which samples every other row
+    as its own dtype does), then the min_tokens bans."""
 
     def __init__(self):
         super().__init__()
@@ -165,9 +179,14 @@ class Sampler(nn.Module):
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [N, V] -> token ids [N] int64."""
+        if batch.bias_rows is not None:  # in fp32 (a new tensor: the caller's logits stay raw)
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values,
+                              accumulate=True)
+        elif batch.banned_rows is not None:
+            logits = logits.clone()
         if batch.banned_rows is not None:
             # a Python scalar value: no host-to-device copy (and no sync) for it
-            logits = logits.clone()
             logits[batch.banned_rows, batch.banned_ids] = float("-inf")
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # in the logits' dtype: the fp32 copy would change nothing

@@ -91,6 +91,22 @@ def _int_list(body: dict, name: str) -> list[int]:
     raise bad(name, f"'{name}' must be a list of integers, got {v!r:.80}")
 
 
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """'logit_bias': {"token id": bias} (JSON keys are strings) -> {int: number}; the range of
+    each bias is SamplingParams' to check."""
+    v = get(body, "logit_bias", "dict")
+    if not v:
+        return None
+    out = {}
+    for key, b in v.items():
+        t = int(key) if isinstance(key, str) and re.fullmatch(r"\d{1,12}", key) else None
+        if t is None or not _is_num(b):
+            raise bad("logit_bias", "'logit_bias' must map token ids (\"123\") to numbers, got "
+                                    f"{key!r:.40}: {b!r:.40}")
+        out[t] = b
+    return out
+
+
 def _unsupported(body: dict) -> None:
     """Fields whose only value this engine runs is the neutral one."""
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -102,8 +118,6 @@ def _unsupported(body: dict) -> None:
     best_of = get(body, "best_of", "int", n)
     if best_of != n:  # (more candidates than choices, ranked: not supported)
         raise bad("best_of", f"'best_of' must equal 'n' ({n}), got {best_of}")
-    if get(body, "logit_bias", "dict"):
-        raise bad("logit_bias", "'logit_bias' is not supported")
     if body.get("suffix"):
         raise bad("suffix", "'suffix' is not supported")
 
@@ -126,6 +140,7 @@ def sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         stop_token_ids=_int_list(body, "stop_token_ids"),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=_logit_bias(body),
     )
     try:
         return SamplingParams(**kw)
@@ -264,7 +279,7 @@ def chat_request(body: dict) -> ChatRequest:
 def engine_error(e: ValueError) -> APIError:
     """A request the engine refused (``LLMEngine.validate_requests``) -> a 400 naming the field."""
     msg = re.sub(r"^request \d+: ", "", str(e))
-    param = "max_tokens" if "max_tokens" in msg else "prompt"
+    param = next((p for p in ("logit_bias", "max_tokens") if p in msg), "prompt")
     return bad(param, msg)
 
 

@@ -4,6 +4,7 @@
     SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=["\\n\\n"])
     SamplingParams(temperature=0.0, logprobs=5, prompt_logprobs=0)  # + logprobs (sequence.py)
     SamplingParams(logit_bias={9707: 5.0, 151643: -100.0})          # added to those logits
+    SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
 
 Every field is checked when the object is built (and again by ``LLM.generate``, in case a field
 was changed afterwards); a bad value or an unknown keyword raises ``ValueError`` saying what was
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for (logprobs / prompt_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range: -100 bans a token, 100 forces it)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: top_p (and min_p > 0) floor
 
@@ -59,6 +61,15 @@ class SamplingParams:
     # token id -> a number in [-100, 100] added to that token's logit (in fp32) before sampling
     # (before temperature and the filters; the logprobs stay raw, as above); None = no bias
     logit_bias: dict[int, float] | None = None
+    # Penalties on what the request has generated so far (vLLM's / OpenAI's meaning), applied to
+    # the logits after logit_bias, before temperature: logit -= presence_penalty (if the token
+    # occurs in the output) + frequency_penalty * (its count there); repetition_penalty r (> 0)
+    # divides a positive logit by r and multiplies a negative one by r for every token in the
+    # prompt or the output. A request with any of them waits for each token before its next
+    # step is scheduled (the counts need its value), as one with stop ids does.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     # Keyword-only and explicit, so an unknown keyword is a ValueError (as the API promises)
     # rather than the TypeError a generated dataclass __init__ would raise.
@@ -78,6 +89,9 @@ class SamplingParams:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         **unknown,
     ):
         if unknown:
@@ -98,6 +112,9 @@ class SamplingParams:
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.logit_bias = dict(logit_bias) if isinstance(logit_bias, dict) else logit_bias
+        self.presence_penalty = presence_penalty
+        self.frequency_penalty = frequency_penalty
+        self.repetition_penalty = repetition_penalty
         self.__post_init__()
 
     def __post_init__(self):
@@ -160,6 +177,20 @@ class SamplingParams:
         ):
             bad("logit_bias", f"None or a dict of token id (int >= 0) -> number in "
                               f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or abs(v) > MAX_PENALTY:
+                bad(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        r = self.repetition_penalty
+        if not is_num(r) or not (r > 0 and as_fp32(r) >= FP32_TINY
+                                 and math.isfinite(as_fp32(r))):
+            bad("repetition_penalty", "a number > 0 that fits fp32 (1: none)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies (then sampling reads the request's token history)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -341,6 +341,40 @@ def test_logit_bias(llm):
     assert llm.scheduler.is_finished()
 
 
+def test_penalties(llm, tied):
+    """presence / frequency: each greedy token is the argmax of the raw logprobs minus the
+    penalties of the output so far (read from the top-20 raw logprobs); a penalized request
+    gives the same tokens alone, in a batch and without overlapped steps; repetition_penalty
+    changes the output and is as reproducible."""
+    prompt = random_prompts([9], tied[1].vocab_size, seed=5)[0]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=20,
+                        presence_penalty=1.5, frequency_penalty=0.8)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert out.token_ids != plain.token_ids
+    checked = 0
+    for j, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        before = out.token_ids[:j]
+        score = {t: v - 0.8 * before.count(t) - 1.5 * (t in before) for t, v in lp.top}
+        best = max(score, key=score.get)
+        if score[best] >= lp.top[-1][1]:  # nothing outside the top 20 can beat it
+            assert tok == best, j
+            checked += 1
+    assert checked >= 12
+    others = random_prompts([5, 17, 3], tied[1].vocab_size, seed=6)
+    sp_rep = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8,
+                            frequency_penalty=0.3)
+    alone = llm.generate([prompt], sp_rep, use_tqdm=False)[0].token_ids
+    mixed = llm.generate(others[:2] + [prompt] + others[2:],
+                         [GREEDY, SamplingParams(temperature=0.9, seed=1), sp_rep, GREEDY],
+                         use_tqdm=False)[2].token_ids
+    assert mixed == alone and alone != plain.token_ids
+    serial = LLM(tied[0], kvcache_block_size=BS, max_num_seqs=8, max_num_batched_tokens=256,
+                 overlap_steps=False)
+    assert serial.generate([prompt], sp_rep, use_tqdm=False)[0].token_ids == alone
+
+
 def test_other_request_errors(llm, tied):
     path = tied[0]
     with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):

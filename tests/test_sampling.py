@@ -35,6 +35,12 @@ V = 97
     (dict(logit_bias={"3": 1.0}), "logit_bias"),
     (dict(logit_bias={True: 1.0}), "logit_bias"),
     (dict(logit_bias=[(3, 1.0)]), "logit_bias"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty="a"), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
 ])
 def test_bad_sampling_params_raise_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -64,10 +70,10 @@ def logits_batch(n, seed=0):
     return torch.randn(n, V, generator=g) * 3
 
 
-def sample(logits, params, positions=None, banned=None):
+def sample(logits, params, positions=None, banned=None, history=None):
     n = logits.shape[0]
     batch = SamplingBatch.build(params, positions or [0] * n, banned or [[] for _ in range(n)],
-                                V, "cpu")
+                                V, "cpu", history)
     return Sampler()(logits, batch)
 
 
@@ -183,3 +189,53 @@ def test_logit_bias_adds_to_each_rows_logits_before_sampling():
     mixed = sample(logits, seeded + [SamplingParams(temperature=1.0, logit_bias={1: 2.5})],
                    positions=[3] * 6)
     assert torch.equal(mixed[:5], alone)
+
+
+def penalized_reference(row, params, output, prompt):
+    """One row's logits after the penalties, written out token by token (vLLM's meaning)."""
+    x = row.float().clone()
+    for t in range(V):
+        n = output.count(t)
+        if (t in output or t in prompt) and x[t] != 0:
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+        x[t] -= params.frequency_penalty * n + params.presence_penalty * (n > 0)
+    return x
+
+
+def test_penalties_match_their_definition_per_row():
+    from collections import Counter
+
+    logits = logits_batch(5)
+    g = torch.Generator().manual_seed(4)
+    outputs = [torch.randint(0, V, (k,), generator=g).tolist() for k in (0, 3, 12, 40, 7)]
+    prompts = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(5)]
+    params = [SamplingParams(temperature=0, presence_penalty=1.5),
+              SamplingParams(temperature=0, frequency_penalty=2.0),
+              SamplingParams(temperature=0, repetition_penalty=1.7),
+              SamplingParams(temperature=0, presence_penalty=-0.5, frequency_penalty=0.7,
+                             repetition_penalty=0.6),
+              SamplingParams(temperature=0)]
+    history = [(Counter(o), set(p)) if sp.penalized else None
+               for o, p, sp in zip(outputs, prompts, params)]
+    batch = SamplingBatch.build(params, [0] * 5, [[] for _ in range(5)], V, "cpu", history)
+    captured = {}
+
+    class Spy(Sampler):
+        def _race(self, x, b):
+            captured["x"] = x
+            return super()._race(x, b)
+
+    # greedy rows go to argmax: check the penalised logits through a sampled (race) batch too
+    out = sample(logits, params, history=history)
+    for r in range(5):
+        want = penalized_reference(logits[r], params[r], outputs[r], prompts[r])
+        assert out[r].item() == int(want.argmax()), r
+    hot = [SamplingParams(temperature=1.0, seed=r, presence_penalty=1.5 if r % 2 else 0.0,
+                          repetition_penalty=1.3) for r in range(5)]
+    hist = [(Counter(o), set(p)) for o, p in zip(outputs, prompts)]
+    spy = Spy()
+    spy(logits, SamplingBatch.build(hot, [0] * 5, [[] for _ in range(5)], V, "cpu", hist))
+    for r in range(5):
+        want = penalized_reference(logits[r], hot[r], outputs[r], prompts[r])
+        assert torch.allclose(captured["x"][r], want, rtol=0, atol=1e-6), r
+    assert batch.pen_rows is not None and 4 not in batch.pen_rows.tolist()

@@ -285,6 +285,18 @@ def test_logit_bias(client, ref):
     assert r.choices[0].message.content == ref.tokenizer.decode([77] * 4)
 
 
+def test_penalties(client, ref):
+    prompt = "Hello, my name is"
+    pen = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3)
+    want = offline(ref, [prompt], temperature=0, max_tokens=16, ignore_eos=True, **pen)[0]
+    plain = offline(ref, [prompt], temperature=0, max_tokens=16, ignore_eos=True)[0]
+    assert want.token_ids != plain.token_ids
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  presence_penalty=1.2, frequency_penalty=0.5,
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert r.choices[0].text == want.text
+
+
 def test_stop_strings(client, ref):
     prompt = "Stop somewhere"
     full = offline(ref, [prompt], temperature=0, max_tokens=24, ignore_eos=True)[0].text
@@ -464,8 +476,9 @@ ERRORS = {
     "n_type": (C, comp(n=1.5), 400, "n"),
     "logprobs_21": (C, comp(logprobs=21), 400, "logprobs"),
     "max_tokens_0": (C, comp(max_tokens=0), 400, "max_tokens"),
-    "presence_penalty": (C, comp(presence_penalty=1), 400, "presence_penalty"),
-    "frequency_penalty": (CH, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
+    "presence_penalty": (C, comp(presence_penalty=2.5), 400, "presence_penalty"),
+    "frequency_penalty": (CH, chat(frequency_penalty="high"), 400, "frequency_penalty"),
+    "repetition_penalty": (C, comp(repetition_penalty=0), 400, "repetition_penalty"),
     "best_of": (C, comp(best_of=2), 400, "best_of"),
     "best_of_above_n": (C, comp(n=2, best_of=3), 400, "best_of"),
     "logit_bias_key": (C, comp(logit_bias={"five": 1}), 400, "logit_bias"),
@@ -516,7 +529,7 @@ def test_unknown_fields_are_ignored_and_nulls_are_defaults(server):
     # an int where a float is expected is a number, not a wrong type
     status, body = post_json(server, C, comp(temperature=1, top_p=1, min_p=0))
     assert status == 200, body
-    # the neutral values of what is not supported are accepted (SDKs send them)
+    # the neutral values SDKs send by default are accepted
     neutral = dict(temperature=0, n=1, presence_penalty=0, frequency_penalty=0, logit_bias={})
     status, body = post_json(server, C, comp(**neutral, best_of=1))
     assert status == 200, body

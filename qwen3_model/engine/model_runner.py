@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -446,7 +447,11 @@ class ModelRunner(StepInputs, CudaGraphs):
             positions = [len(s.token_ids) - s.num_prompt_tokens for s in sample_seqs]
         if any([p.min_tokens for p in params]):
             banned = [self._banned_ids(s) if s.params.min_tokens else () for s in sample_seqs]
-        sampling = SamplingBatch.build(params, positions, banned, self.vocab_size, self.device)
+        history = None
+        if any([p.penalized for p in params]):
+            history = [penalty_history(s) if s.params.penalized else None for s in sample_seqs]
+        sampling = SamplingBatch.build(params, positions, banned, self.vocab_size, self.device,
+                                       history)
         # (trusted: the temperatures come from validated SamplingParams, and the checked op's
         # host sync would end the overlap of this step with the next one's scheduling)
         with qwen3_kernels.trusted_inputs() if self.use_cuda else contextlib.nullcontext():
@@ -555,3 +560,21 @@ class ModelRunner(StepInputs, CudaGraphs):
         if not p.ignore_eos:
             ids.update(self.config.eos_token_ids)
         return sorted(i for i in ids if 0 <= i < self.vocab_size)
+
+
+def penalty_history(seq: Sequence) -> tuple[dict[int, int], set[int]]:
+    """(count of each token in the output so far, the ids of the prompt and the output): what
+    the penalties read. Counted incrementally on the sequence: a step adds its new tokens. The
+    tokens are values here, never an overlapped step's placeholders (``Sequence.needs_tokens``
+    is set for a penalized request)."""
+    state = seq.penalty_state
+    if state is None:
+        state = seq.penalty_state = [Counter(), 0, set(seq.token_ids[:seq.num_prompt_tokens])]
+    counts, counted, prompt_ids = state
+    new = seq.token_ids[seq.num_prompt_tokens + counted:]
+    if new:
+        assert min(new) >= 0, "a penalized request's tokens are read before it samples again"
+        counts.update(new)
+        state[1] = counted + len(new)
+    return counts, prompt_ids
+

@@ -126,7 +126,8 @@ class Scheduler:
         p = seq.params
         seq.max_num_tokens = min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
         seq.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
-        seq.needs_tokens = bool(seq.stop_ids or p.stop)  # stop strings: the engine ends it
+        # stop strings: the engine ends it; penalties: the next sampling counts the token
+        seq.needs_tokens = bool(seq.stop_ids or p.stop or p.penalized)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._waiting_sorted = False

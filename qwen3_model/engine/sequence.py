@@ -41,7 +41,7 @@ class Sequence:
                  "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
                  "table_row", "params", "max_num_tokens", "stop_ids", "needs_tokens",
                  "finish_reason", "stop_reason", "num_preemptions", "logprobs",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "penalty_state")
 
     def __init__(self, token_ids: list[int], params: SamplingParams, index: int = 0):
         self.seq_id = next(Sequence._ids)
@@ -74,6 +74,8 @@ class Sequence:
         # entry p + 1 when it computes the prompt token at position p
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens)
+        # (the model runner's, for the penalties) [output token counts, tokens counted, prompt ids]
+        self.penalty_state: list | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -66,6 +66,14 @@ class SamplingBatch:
     bias_rows: torch.Tensor | None = None  # [B] int64
     bias_ids: torch.Tensor | None = None  # [B] int64
     bias_values: torch.Tensor | None = None  # [B] fp32
+    # penalties, one entry per (row, token id in its history): logits[pen_rows, pen_ids] become
+    # (x / r if x > 0 else x * r) - frequency * count - presence * (count > 0), after the bias
+    pen_rows: torch.Tensor | None = None  # [P] int64
+    pen_ids: torch.Tensor | None = None  # [P] int64
+    pen_counts: torch.Tensor | None = None  # [P] fp32: the id's count in the row's output
+    pen_presence: torch.Tensor | None = None  # [P] fp32: the row's presence_penalty
+    pen_frequency: torch.Tensor | None = None  # [P] fp32: the row's frequency_penalty
+    pen_repetition: torch.Tensor | None = None  # [P] fp32: the row's repetition_penalty
 
     @staticmethod
     def build(
@@ -74,9 +82,12 @@ class SamplingBatch:
         banned: list | None,
         vocab_size: int,
         device: torch.device | str,
+        history: list | None = None,
     ) -> "SamplingBatch":
         """params / positions (output index of the token to sample; needed for seeded rows) /
-        banned ids, one per row (None: no row bans any id).
+        banned ids, one per row (None: no row bans any id) / history, one per row: None, or
+        for a penalized row (its output's token counts {id: n}, its prompt's ids) (None: no row
+        is penalized).
 
         Host cost matters here (it runs every step over every sampled row): one pass over the
         params per setting, and a tensor (one copy to the device) only for a setting some row
@@ -94,14 +105,31 @@ class SamplingBatch:
             ids = [i for b in banned for i in b]
             banned_rows = to_dev(rows, torch.int64)
             banned_ids = to_dev(ids, torch.int64)
-        bias = {}
+        extra = {}  # the logit_bias and penalty fields some row uses
         if [p.logit_bias for p in params].count(None) != len(params):
             biased = [(r, t, b) for r, p in enumerate(params) if p.logit_bias
                       for t, b in p.logit_bias.items()]
             if biased:
                 rows, ids, values = zip(*biased)
-                bias = dict(bias_rows=to_dev(rows, torch.int64), bias_ids=to_dev(ids, torch.int64),
-                            bias_values=to_dev(values, torch.float32))
+                extra.update(bias_rows=to_dev(rows, torch.int64),
+                             bias_ids=to_dev(ids, torch.int64),
+                             bias_values=to_dev(values, torch.float32))
+        if history is not None:
+            entries = []  # (row, id, count, presence, frequency, repetition)
+            for r, (p, h) in enumerate(zip(params, history)):
+                if h is None:
+                    continue
+                counts, prompt_ids = h
+                ids = counts.keys() | prompt_ids if p.repetition_penalty != 1 else counts.keys()
+                pr, fr, rp = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+                entries += [(r, t, counts.get(t, 0), pr, fr, rp) for t in ids]
+            if entries:
+                rows, ids, cnt, pr, fr, rp = zip(*entries)
+                extra.update(pen_rows=to_dev(rows, torch.int64), pen_ids=to_dev(ids, torch.int64),
+                             pen_counts=to_dev(cnt, torch.float32),
+                             pen_presence=to_dev(pr, torch.float32),
+                             pen_frequency=to_dev(fr, torch.float32),
+                             pen_repetition=to_dev(rp, torch.float32))
         temps = [p.temperature for p in params]
         greedy = None  # a temperature below GREEDY_TEMPERATURE is greedy (SamplingParams.greedy)
         num_greedy = 0
@@ -110,7 +138,7 @@ class SamplingBatch:
             num_greedy = greedy.count(True)
             if num_greedy == len(temps):
                 return SamplingBatch(None, None, None, None, None, None, None,
-                                     banned_rows, banned_ids, all_greedy=True, **bias)
+                                     banned_rows, banned_ids, all_greedy=True, **extra)
         sampled = [p for p, g in zip(params, greedy) if not g] if num_greedy else params
         top_k = top_p = min_p = None
         # each setting's distinct values (set comprehensions: cheaper than a generator per row)
@@ -143,7 +171,7 @@ class SamplingBatch:
             greedy_mask=to_dev(greedy, torch.bool) if greedy is not None else None,
             top_k=top_k, top_p=top_p, min_p=min_p,
             seeded_rows=seeded_rows, seed_keys=seed_keys,
-            banned_rows=banned_rows, banned_ids=banned_ids, **bias,
+            banned_rows=banned_rows, banned_ids=banned_ids, **extra,
         )
 
 
@@ -151,8 +179,8 @@ class Sampler(nn.Module):
     """Greedy rows: argmax. Rows with temperature only (the common case): one pass of the
     ``sample_tokens`` kernel over the logits (score = logits / T - log(E), E ~ Exp(1) hashed from a
     per-row key). Rows with top-k / top-p / min-p: the tensor path below (sort, softmax). Any
-    row's logit_bias is added first (the batch's logits then in fp32, which samples every other row
-    as its own dtype does), then the min_tokens bans."""
+    row's logit_bias is added first, then its penalties (the batch's logits then in fp32, which
+    samples every other row as its own dtype does), then the min_tokens bans."""
 
     def __init__(self):
         super().__init__()
@@ -179,10 +207,17 @@ class Sampler(nn.Module):
     @torch.no_grad()
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [N, V] -> token ids [N] int64."""
-        if batch.bias_rows is not None:  # in fp32 (a new tensor: the caller's logits stay raw)
+        if batch.bias_rows is not None or batch.pen_rows is not None:
+            # in fp32 (a new tensor: the caller's logits stay raw)
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
-            logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values,
-                              accumulate=True)
+            if batch.bias_rows is not None:
+                logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values,
+                                  accumulate=True)
+            if batch.pen_rows is not None:
+                at = (batch.pen_rows, batch.pen_ids)
+                x, r, n = logits[at], batch.pen_repetition, batch.pen_counts
+                x = torch.where(x > 0, x / r, x * r)
+                logits[at] = x - batch.pen_frequency * n - batch.pen_presence * (n > 0)
         elif batch.banned_rows is not None:
             logits = logits.clone()
         if batch.banned_rows is not None:

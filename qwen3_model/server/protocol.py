@@ -109,11 +109,6 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
 
 def _unsupported(body: dict) -> None:
     """Fields whose only value this engine runs is the neutral one."""
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = get(body, name, "number")
-        neutral = 1 if name == "repetition_penalty" else 0
-        if v is not None and v != neutral:
-            raise bad(name, f"'{name}' is not supported (only {neutral})")
     n = get(body, "n", "int", 1)
     best_of = get(body, "best_of", "int", n)
     if best_of != n:  # (more candidates than choices, ranked: not supported)
@@ -141,6 +136,9 @@ def sampling_params(body: dict, max_tokens: int, logprobs: int | None,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=_logit_bias(body),
+        presence_penalty=get(body, "presence_penalty", "number", 0.0),
+        frequency_penalty=get(body, "frequency_penalty", "number", 0.0),
+        repetition_penalty=get(body, "repetition_penalty", "number", 1.0),
     )
     try:
         return SamplingParams(**kw)

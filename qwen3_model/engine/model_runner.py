@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -448,8 +447,8 @@ class ModelRunner(StepInputs, CudaGraphs):
         if any([p.min_tokens for p in params]):
             banned = [self._banned_ids(s) if s.params.min_tokens else () for s in sample_seqs]
         history = None
-        if any([p.penalized for p in params]):
-            history = [penalty_history(s) if s.params.penalized else None for s in sample_seqs]
+        if [s.penalty_state for s in sample_seqs].count(None) != len(sample_seqs):
+            history = [penalty_history(s) if s.penalty_state else None for s in sample_seqs]
         sampling = SamplingBatch.build(params, positions, banned, self.vocab_size, self.device,
                                        history)
         # (trusted: the temperatures come from validated SamplingParams, and the checked op's
@@ -563,13 +562,11 @@ class ModelRunner(StepInputs, CudaGraphs):
 
 
 def penalty_history(seq: Sequence) -> tuple[dict[int, int], set[int]]:
-    """(count of each token in the output so far, the ids of the prompt and the output): what
+    """A penalized sequence's (count of each token in its output so far, its prompt's ids): what
     the penalties read. Counted incrementally on the sequence: a step adds its new tokens. The
     tokens are values here, never an overlapped step's placeholders (``Sequence.needs_tokens``
     is set for a penalized request)."""
     state = seq.penalty_state
-    if state is None:
-        state = seq.penalty_state = [Counter(), 0, set(seq.token_ids[:seq.num_prompt_tokens])]
     counts, counted, prompt_ids = state
     new = seq.token_ids[seq.num_prompt_tokens + counted:]
     if new:
@@ -577,4 +574,3 @@ def penalty_history(seq: Sequence) -> tuple[dict[int, int], set[int]]:
         counts.update(new)
         state[1] = counted + len(new)
     return counts, prompt_ids
-

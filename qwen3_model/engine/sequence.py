@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
@@ -74,8 +75,10 @@ class Sequence:
         # entry p + 1 when it computes the prompt token at position p
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens)
-        # (the model runner's, for the penalties) [output token counts, tokens counted, prompt ids]
-        self.penalty_state: list | None = None
+        # a penalized request's history (SamplingParams.penalized; the model runner updates it):
+        # [count of each output token, output tokens counted so far, the prompt's ids]; else None
+        self.penalty_state: list | None = (
+            [Counter(), 0, set(self.token_ids)] if params.penalized else None)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop string (repeatable); not included in the output")
     s.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                    help="stop token id (repeatable)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of a token already in the output ([-2, 2])")
+    s.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="times the token's count in the output, subtracted ([-2, 2])")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 makes tokens of the prompt or the output less likely (1 = none)")
 
     add_engine_args(p)
     add_debug_arg(p)
@@ -187,7 +193,9 @@ def sampling_params(args, **overrides):
 
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
               seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-              ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id)
+              ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id,
+              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+              repetition_penalty=args.repetition_penalty)
     kw.update(overrides)
     return SamplingParams(**kw)
 

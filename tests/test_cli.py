@@ -44,8 +44,20 @@ def test_help_lists_every_option():
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization",
                  "--enforce-eager", "--max-piecewise-graph-tokens", "--no-prefix-caching",
                  "--scheduling-policy", "--tensor-parallel-size", "--tp-all-reduce",
-                 "--no-overlap-steps", "--kv-cache-dtype"]:
+                 "--no-overlap-steps", "--kv-cache-dtype", "--presence-penalty",
+                 "--frequency-penalty", "--repetition-penalty"]:
         assert flag in text, flag
+
+
+def test_sampling_flags_reach_the_params():
+    from qwen3_model.__main__ import build_parser, sampling_params
+
+    sp = sampling_params(build_parser().parse_args(
+        ["--model", "m", "--presence-penalty", "0.5", "--frequency-penalty", "-0.25",
+         "--repetition-penalty", "1.2", "--min-p", "0.1", "--stop-token-id", "7"]))
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert sp.min_p == 0.1 and sp.stop_token_ids == [7] and sp.penalized
+    assert not sampling_params(build_parser().parse_args(["--model", "m"])).penalized
 
 
 def test_engine_flags_reach_the_engine():
@@ -154,6 +166,8 @@ def test_user_errors_are_one_line_and_a_nonzero_exit(ckpt, tmp_path, capsys):
         (["--top-p", "1e-50", "--no-progress"], "SamplingParams.top_p"),  # the demo, no model
         (["--model", ckpt, "hi", "--temperature", "inf", *SMALL], "SamplingParams.temperature"),
         (["--model", ckpt, "hi", "--min-p", "nan", *SMALL], "SamplingParams.min_p"),
+        (["--model", ckpt, "hi", "--repetition-penalty", "0", *SMALL],
+         "SamplingParams.repetition_penalty"),
         (["--model", ckpt, "x" * 300, *SMALL], "max_model_len"),  # refused by the engine
         (["--model", str(tmp_path / "nothing"), "hi", *SMALL], "checkpoint folder"),
         (["serve", "--model", str(tmp_path / "nothing"), *small], "checkpoint folder"),

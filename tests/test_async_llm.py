@@ -158,6 +158,35 @@ def test_outputs_read_after_the_request_finished(engine, ref):
     assert idle(engine) and not engine._unclaimed
 
 
+def test_an_unread_aborted_request_is_forgotten(engine):
+    """abort_request(unread=True): a request nobody will read (a client gone before its stream
+    started) leaves nothing behind, running or done, and its id is free at once; a request
+    someone reads is aborted as usual and its reader gets the last delta."""
+    sp = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+
+    async def main():
+        running = engine.add_request("nobody reads me", sp, request_id="unread-1")
+        engine.abort_request(running, unread=True)  # before it finished
+        done = engine.add_request("a", SamplingParams(max_tokens=1), request_id="unread-2")
+        await until(lambda: engine.stats()["requests"] == 0, 30, "both ending")
+        engine.abort_request(done, unread=True)  # after it finished
+        await until(lambda: not engine._unclaimed, 5, "both forgotten")
+        for rid in (running, done):  # free again
+            engine.abort_request(engine.add_request("x", SamplingParams(max_tokens=1),
+                                                    request_id=rid), unread=True)
+        read = engine.add_request("someone reads me", sp, request_id="read")
+        deltas = []
+        async for d in engine.outputs(read):
+            deltas.append(d)
+            if len(deltas) == 2:
+                engine.abort_request(read, unread=True)  # claimed: only the abort applies
+        await until(lambda: idle(engine) and not engine._unclaimed, 5, "all done")
+        return deltas
+
+    deltas = run(main())
+    assert deltas[-1].finish_reason == "abort" and len(deltas) < 100
+
+
 def test_abort_request_frees_blocks_and_ends_the_stream(engine):
     sp = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 

@@ -663,7 +663,7 @@ def test_a_stream_left_before_its_body_starts_is_aborted(ckpt):
     """The client goes away while the SSE response still sends its headers (the ASGI app called
     in process, its first send never returning), so the body's generator never runs: the
     response itself must abort the request (without that it generated its max_tokens for
-    nobody and finished "length")."""
+    nobody and finished "length"), and keep nothing of it for a reader that never comes."""
     import asyncio
 
     from qwen3_model.engine.async_llm import AsyncLLM
@@ -710,6 +710,7 @@ def test_a_stream_left_before_its_body_starts_is_aborted(ckpt):
         assert finished(m, "abort") == 1 and finished(m, "length") == 0
         stats = engine.stats()
         assert stats["running"] == stats["waiting"] == stats["kv_blocks_used"] == 0, stats
+        assert not engine._unclaimed  # nobody will read it: nothing kept for a reader
     finally:
         engine.shutdown()
 

@@ -41,7 +41,7 @@ class EngineStopped(RuntimeError):
 
 class _Request:
     __slots__ = ("rid", "ids", "params", "seq", "state", "sink", "loop", "arrival", "last_token",
-                 "done_at")
+                 "done_at", "unread")
 
     def __init__(self, rid, ids, params, sink, loop):
         self.rid, self.ids, self.params = rid, ids, params
@@ -52,6 +52,7 @@ class _Request:
         self.arrival = time.monotonic()
         self.last_token: float | None = None
         self.done_at: float | None = None  # when its last delta was handed out
+        self.unread = False  # nobody will claim its outputs: forget it once it is done
 
 
 class AsyncLLM:
@@ -109,10 +110,19 @@ class AsyncLLM:
         self.metrics.prompt_tokens += len(ids)
         return rid
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, unread: bool = False) -> None:
         """End a request: its stream gets a last delta with finish_reason "abort", and its KV
-        blocks are freed before the next step. Unknown or finished ids are ignored."""
+        blocks are freed before the next step. Unknown or finished ids are ignored.
+        ``unread``: nobody will read its outputs (a client gone before its stream started):
+        if nobody has claimed them, they are dropped as it ends instead of being kept
+        UNCLAIMED_KEEP_S, and its id is free again."""
         with self._lock:
+            req = self._unclaimed.get(request_id) if unread else None
+            if req is not None:
+                if req.done_at is not None:
+                    del self._unclaimed[request_id]
+                else:
+                    req.unread = True
             if request_id in self._requests:
                 self._aborts.append(request_id)
                 self._lock.notify()
@@ -299,6 +309,8 @@ class AsyncLLM:
                 with self._lock:
                     self._requests.pop(req.rid, None)
                     req.done_at = time.monotonic()
+                    if req.unread:
+                        self._unclaimed.pop(req.rid, None)
             by_loop.setdefault(req.loop, []).append((req, item))
         for loop, batch in by_loop.items():
             if loop is None:

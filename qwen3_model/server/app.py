@@ -214,7 +214,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
         return True
 
     def sse_response(gen, rids: list[str]) -> StreamingResponse:
-        return _EventStream(gen, lambda: [engine.abort_request(rid) for rid in rids])
+        # unread: a stream that never started leaves outputs nobody claims (each a no-op for
+        # requests its generator read)
+        return _EventStream(gen, lambda: [engine.abort_request(rid, unread=True) for rid in rids])
 
     async def handle(request: Request, endpoint):
         try:

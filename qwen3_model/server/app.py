@@ -135,8 +135,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, max_waiting_requests: in
             for ids, sp in zip(prompts_ids, params):
                 rids.append(engine.add_request(ids, sp))
         except EngineStopped as e:
-            for rid in rids:
-                engine.abort_request(rid)
+            for rid in rids:  # (this response reads none of them)
+                engine.abort_request(rid, unread=True)
             raise P.APIError(503, str(e), type_="server_overloaded",
                              code="server_unavailable") from None
         return rids

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for (logprobs / prompt_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| at most (OpenAI's range: -100 bans a token, 100 forces it)
+# tokens a request may bias at most: each is a host-side entry in every step's sampling inputs,
+# so one request must not be able to slow every step of the batch
+MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: top_p (and min_p > 0) floor
@@ -59,7 +62,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
     # token id -> a number in [-100, 100] added to that token's logit (in fp32) before sampling
-    # (before temperature and the filters; the logprobs stay raw, as above); None = no bias
+    # (before temperature and the filters; the logprobs stay raw, as above), for at most
+    # MAX_LOGIT_BIAS_TOKENS ids; None = no bias
     logit_bias: dict[int, float] | None = None
     # Penalties on what the request has generated so far (vLLM's / OpenAI's meaning), applied to
     # the logits after logit_bias, before temperature: logit -= presence_penalty (if the token
@@ -172,11 +176,12 @@ class SamplingParams:
                 bad(name, f"None or an integer in [0, {MAX_LOGPROBS}] (how many top tokens)")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
+            and len(self.logit_bias) <= MAX_LOGIT_BIAS_TOKENS
             and all(is_int(t) and t >= 0 and is_num(b) and abs(b) <= MAX_LOGIT_BIAS
                     for t, b in self.logit_bias.items())
         ):
-            bad("logit_bias", f"None or a dict of token id (int >= 0) -> number in "
-                              f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            bad("logit_bias", f"None or a dict of at most {MAX_LOGIT_BIAS_TOKENS} token ids "
+                              f"(int >= 0) -> number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_num(v) or abs(v) > MAX_PENALTY:

@@ -35,6 +35,7 @@ V = 97
     (dict(logit_bias={"3": 1.0}), "logit_bias"),
     (dict(logit_bias={True: 1.0}), "logit_bias"),
     (dict(logit_bias=[(3, 1.0)]), "logit_bias"),
+    (dict(logit_bias={t: 1.0 for t in range(1025)}), "logit_bias"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-2.01), "frequency_penalty"),
     (dict(frequency_penalty="a"), "frequency_penalty"),

@@ -485,6 +485,8 @@ ERRORS = {
     "logit_bias_value": (C, comp(logit_bias={"5": 101}), 400, "logit_bias"),
     "logit_bias_value_type": (CH, chat(logit_bias={"5": "up"}), 400, "logit_bias"),
     "logit_bias_out_of_vocab": (C, comp(logit_bias={"512": 1}), 400, "logit_bias"),
+    "logit_bias_too_many": (C, comp(logit_bias={str(t): 1 for t in range(1025)}), 400,
+                            "logit_bias"),
     "suffix": (C, comp(suffix="the end"), 400, "suffix"),
     "chat_n_0": (CH, chat(n=0), 400, "n"),
     "chat_temperature_negative": (CH, chat(temperature=-1), 400, "temperature"),

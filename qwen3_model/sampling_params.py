@@ -70,7 +70,9 @@ class SamplingParams:
     # occurs in the output) + frequency_penalty * (its count there); repetition_penalty r (> 0)
     # divides a positive logit by r and multiplies a negative one by r for every token in the
     # prompt or the output. A request with any of them waits for each token before its next
-    # step is scheduled (the counts need its value), as one with stop ids does.
+    # step is scheduled (the counts need its value), as one with stop ids does, and its step's
+    # sampling inputs are built on the host from its distinct tokens (repetition_penalty over a
+    # prompt of 12K distinct ids: ~6 ms a step; presence / frequency over 1K output ids: ~0.5 ms).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

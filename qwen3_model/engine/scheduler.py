@@ -126,8 +126,9 @@ class Scheduler:
         p = seq.params
         seq.max_num_tokens = min(seq.num_prompt_tokens + p.max_tokens, self.max_model_len)
         seq.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
-        # stop strings: the engine ends it; penalties: the next sampling counts the token
-        seq.needs_tokens = bool(seq.stop_ids or p.stop or p.penalized)
+        # stop strings: the engine ends it; penalties (a history on the sequence): the next
+        # sampling counts the token
+        seq.needs_tokens = bool(seq.stop_ids or p.stop or seq.penalty_state is not None)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._waiting_sorted = False

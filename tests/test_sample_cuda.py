@@ -134,3 +134,52 @@ def test_errors_and_opcheck():
     with pytest.raises(ValueError, match="temperatures is on cpu"):
         qwen3_kernels.sample_tokens(logits, temps.cpu(), keys, out=out)
     torch.library.opcheck(torch.ops.qwen3_kernels.sample_tokens.default, (out, logits, temps, keys))
+
+
+def test_sampler_bias_and_penalties_on_the_gpu_match_the_cpu():
+    """The Sampler's logit_bias and penalty path (torch ops on the device) gives on CUDA the
+    logits it gives on the CPU, and the same greedy tokens."""
+    from collections import Counter
+
+    from qwen3_model.layers.sampler import Sampler, SamplingBatch
+    from qwen3_model.sampling_params import SamplingParams
+
+    V, n = 1003, 6
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(n, V, generator=g) * 3).to(torch.bfloat16)
+    outputs = [torch.randint(0, V, (k,), generator=g).tolist() for k in (0, 5, 40, 200, 9, 3)]
+    prompts = [torch.randint(0, V, (k,), generator=g).tolist() for k in (7, 300, 1, 50, 12, 0)]
+    params = [
+        SamplingParams(temperature=0, presence_penalty=1.5, logit_bias={3: 5.0, 900: -2.5}),
+        SamplingParams(temperature=0, frequency_penalty=2.0),
+        SamplingParams(temperature=0, repetition_penalty=1.7, logit_bias={17: 100}),
+        SamplingParams(temperature=0, presence_penalty=-0.5, frequency_penalty=0.7,
+                       repetition_penalty=0.6),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.2, logit_bias={0: -100, 1: 0.07}),
+    ]
+    history = [(Counter(o), set(p)) if sp.penalized else None
+               for o, p, sp in zip(outputs, prompts, params)]
+    captured = {}
+
+    class Spy(Sampler):
+        def _race(self, x, b):
+            captured.setdefault(x.device.type, x.cpu())
+            return super()._race(x, b)
+
+    tokens = {}
+    for dev in ("cpu", "cuda"):
+        batch = SamplingBatch.build(params, [0] * n, [[] for _ in range(n)], V, dev, history)
+        tokens[dev] = Sampler()(logits.to(dev), batch).cpu()
+        # a sampled batch shows the logits the race sees
+        hot = [SamplingParams(temperature=1.0, seed=r, presence_penalty=p.presence_penalty,
+                              frequency_penalty=p.frequency_penalty,
+                              repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias)
+               for r, p in enumerate(params)]
+        hist = [(Counter(o), set(p)) if sp.penalized else None
+                for o, p, sp in zip(outputs, prompts, hot)]
+        Spy()(logits.to(dev), SamplingBatch.build(hot, [0] * n, [[] for _ in range(n)], V, dev,
+                                                  hist))
+    assert torch.equal(tokens["cpu"], tokens["cuda"])
+    assert torch.allclose(captured["cpu"], captured["cuda"], rtol=1e-6, atol=1e-6)
+    assert tokens["cuda"][2].item() == 17  # +100 wins

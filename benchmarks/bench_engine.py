@@ -5,8 +5,9 @@
     python bench_engine.py --size 0.6B --baseline hf         # + transformers generate_batch, ratio
     python bench_engine.py --size 8B --num-seqs 64           # a smaller run of the same workload
     python bench_engine.py --size 8B --batch1                # 128-token prompt, 512 new tokens
-    python bench_engine.py --size 8B --scheduling-policy longest_first --max-num-seqs 176 \
-        --max-num-batched-tokens 384                         # the throughput setting (README)
+    python bench_engine.py --size 8B --scheduling-policy fcfs  # first come first served (the
+                                                             # default "auto" runs this workload
+                                                             # longest first, 176 / 384)
     python bench_engine.py --model ~/Qwen3-0.6B              # a real checkpoint instead
     python bench_engine.py --size 0.6B --profile --num-seqs 256   # a decode step, kernel by kernel
     python bench_engine.py --size 8B --profile --profile-overlap --num-seqs 1 --tp 2  # in generate
@@ -507,7 +508,7 @@ def main(argv=None):
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="auto",
                    help="the order waiting requests are admitted in (LLM's scheduling_policy)")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -612,6 +613,9 @@ def main(argv=None):
                          partial_prefills=sched.num_partial_prefills)
             if llm.model_runner.piecewise is not None:
                 stats["piecewise_steps"] = llm.model_runner.piecewise.num_steps
+            if llm.offline_schedule is not None:  # scheduling_policy "auto" chose it
+                stats["auto_longest_first"] = "max_num_seqs %d, max_num_batched_tokens %d" % (
+                    llm.offline_schedule)
             llm.close()
             del llm, sched
             free_gpu()

@@ -567,7 +567,8 @@ def stop_server(proc, timeout_s: float = 60.0) -> None:
 
 def offline_worker(spec_path: str, out_path: str) -> None:
     """The offline baselines, in the process that runs this (python bench_serve.py
-    --offline-worker SPEC OUT): the engine as the generate CLI's flags build it; prefill alone on
+    --offline-worker SPEC OUT): the engine as the generate CLI's flags build it (the "auto"
+    scheduling policy as fcfs, the server's); prefill alone on
     spec["prefill_prompts"], then one LLM.generate of spec["prompts"] / spec["max_tokens"]."""
     from bench_engine import GpuClocks, free_gpu, sync
     from qwen3_model.__main__ import build_parser, engine_kwargs
@@ -579,6 +580,10 @@ def offline_worker(spec_path: str, out_path: str) -> None:
     kw = engine_kwargs(cli)
     if spec["dummy"]:
         kw["load_format"] = "dummy"
+    if kw.get("scheduling_policy") == "auto":
+        # the server's schedule ("auto" serves fcfs; offline it may not): the baseline then
+        # measures what serving costs, not another schedule
+        kw["scheduling_policy"] = "fcfs"
     start = time.perf_counter()
     llm = LLM(spec["model"], **kw)
     out = dict(engine_ready_s=time.perf_counter() - start)

@@ -32,7 +32,7 @@ README_HEAD = ("| what | ours | baseline in the same run | ratio | GPU | commit 
 ORDER = ["bench_elementwise", "bench_qk_norm_rope", "bench_attention_decode",
          "bench_attention_prefill", "bench_linear", "bench_linear_fp8", "bench_sample",
          "bench_engine"]
-ENGINE_DEFAULTS = dict(scheduling_policy="fcfs", max_num_seqs=512, max_num_batched_tokens=16384,
+ENGINE_DEFAULTS = dict(scheduling_policy="auto", max_num_seqs=512, max_num_batched_tokens=16384,
                        max_piecewise_graph_tokens=512, overlap_steps=True, tp_all_reduce="auto",
                        tensor_parallel_size=1, enforce_eager=False, block_size=256,
                        quantization="none", kv_cache_dtype="auto", deterministic=False)

@@ -132,8 +132,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint's per-layer k_scale / v_scale, else 1.0 (fp8: twice the "
                         "blocks of bf16 in the same memory)")
     # (config.SCHEDULING_POLICIES spelled out: importing config loads torch, and --help stays light)
-    e.add_argument("--scheduling-policy", choices=["fcfs", "longest_first"], default="fcfs",
-                   help="admission order: arrival, or the most max_tokens first (offline batches)")
+    e.add_argument("--scheduling-policy", choices=["auto", "fcfs", "longest_first"],
+                   default="auto",
+                   help="admission order: arrival (fcfs), the most max_tokens first "
+                        "(longest_first), or auto (fcfs; longest first with smaller step budgets "
+                        "for a large offline batch on a model of 1.7B and up)")
     e.add_argument("--tensor-parallel-size", type=int, default=1)
     # (config.TP_ALL_REDUCE_CHOICES spelled out, as above)
     e.add_argument("--tp-all-reduce", choices=["auto", "custom", "nccl"], default="auto",

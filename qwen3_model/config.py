@@ -13,7 +13,17 @@ _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
 }
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the paged attention kernels support
-SCHEDULING_POLICIES = ("fcfs", "longest_first")
+SCHEDULING_POLICIES = ("auto", "fcfs", "longest_first")
+# scheduling_policy="auto": an offline batch (LLM.generate / LLM.stream) of more than
+# THROUGHPUT_MAX_NUM_SEQS requests on a model with at least THROUGHPUT_MIN_WEIGHT_BYTES of weights
+# per GPU runs longest first with at most THROUGHPUT_MAX_NUM_SEQS sequences and
+# THROUGHPUT_MAX_NUM_BATCHED_TOKENS tokens a step (the configured values where smaller): the
+# schedule that measured fastest there (Qwen3-8B on an H200: 1.05x the fcfs defaults; Qwen3-0.6B
+# 0.98x, so smaller models keep the defaults; benchmarks/RESULTS.md). Everything else, and the
+# online engine (AsyncLLM, the server) always, runs fcfs under the configured budgets.
+THROUGHPUT_MIN_WEIGHT_BYTES = 2 * 2**30
+THROUGHPUT_MAX_NUM_SEQS = 176
+THROUGHPUT_MAX_NUM_BATCHED_TOKENS = 384
 PIECEWISE_BUCKET = 32  # token-count step of the piecewise graphs (max_piecewise_graph_tokens)
 TP_ALL_REDUCE_CHOICES = ("auto", "custom", "nccl")
 KV_CACHE_DTYPES = ("auto", "fp8")  # Config.kv_cache_dtype
@@ -57,9 +67,11 @@ class Config:
     # of PIECEWISE_BUCKET tokens, capped at max_num_batched_tokens; 0: they run eagerly. One GPU
     # only (tensor parallel runs such steps eagerly).
     max_piecewise_graph_tokens: int = 512
-    # the order waiting requests are admitted in: "fcfs" (arrival), or "longest_first" (the most
-    # output tokens a request may still produce first: see qwen3_model/engine/scheduler.py)
-    scheduling_policy: str = "fcfs"
+    # the order waiting requests are admitted in: "fcfs" (arrival), "longest_first" (the most
+    # output tokens a request may still produce first: see qwen3_model/engine/scheduler.py), or
+    # "auto": fcfs, but longest first with smaller budgets for a large offline batch on a large
+    # model (THROUGHPUT_* above)
+    scheduling_policy: str = "auto"
     # True: generate / stream schedule and launch step k + 1 while the device runs step k, where
     # no token of step k can end a sequence (see LLMEngine._steps); False: every step's tokens are
     # read before the next step is scheduled. Same tokens either way.

@@ -120,9 +120,9 @@ if [ "${BG_TESTS:-0}" = 1 ]; then
 fi
 
 # Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random
-# weights; the defaults, the throughput setting (README) and batch 1.
+# weights; the defaults (scheduling_policy "auto"), first come first served, and batch 1.
 ENGINE=${ENGINE:-"--size 0.6B;--size 0.6B --num-seqs 32 --baseline hf;--size 8B --batch1;--size 8B;\
---size 8B --scheduling-policy longest_first --max-num-seqs 176 --max-num-batched-tokens 384"}
+--size 8B --scheduling-policy fcfs"}
 if [ "$ENGINE" != none ]; then
   : > "$OUT/engine.log"
   IFS=';' read -ra runs <<< "$ENGINE"

@@ -155,6 +155,47 @@ def test_longest_first_with_a_small_budget_gives_the_same_tokens(tied):
     assert llm.scheduler.num_partial_prefills > 0
 
 
+def test_auto_policy_runs_a_large_offline_batch_under_the_throughput_schedule(tied, monkeypatch):
+    """scheduling_policy="auto": where throughput_schedule says so, generate runs longest first
+    under its smaller budgets (HF's tokens still), then the configured schedule is back; the
+    rule's inputs are the policy, this GPU's weight bytes, the batch size and the budgets."""
+    from qwen3_model.engine import llm_engine
+
+    path, cfg, hf = tied
+    llm = LLM(path, kvcache_block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    assert llm.config.scheduling_policy == "auto"
+    seen = {}
+
+    def rule(policy, weight_bytes, num_requests, max_num_seqs, max_num_batched_tokens, graphs):
+        seen.update(policy=policy, weight_bytes=weight_bytes, num_requests=num_requests,
+                    budgets=(max_num_seqs, max_num_batched_tokens), graphs=graphs)
+        return (2, 12)
+
+    monkeypatch.setattr(llm_engine, "throughput_schedule", rule)
+    sched = llm.scheduler
+    steps = []
+    schedule = sched.schedule
+
+    def spy():
+        batch = schedule()
+        steps.append((batch.num_tokens, len(sched.running), sched.longest_first))
+        return batch
+
+    monkeypatch.setattr(sched, "schedule", spy)
+    lengths, max_tokens = [9, 23, 5, 14, 30], [3, 8, 5, 8, 2]
+    prompts = random_prompts(lengths, cfg.vocab_size, seed=8)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens],
+                        use_tqdm=False)
+    for p, o, m in zip(prompts, outs, max_tokens):
+        assert o.token_ids == hf_greedy(hf, p, m)
+    weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
+    assert seen == dict(policy="auto", weight_bytes=weights, num_requests=5, budgets=(4, 64),
+                        graphs=False)  # (the CPU has no piecewise graphs)
+    assert steps and all(n <= 12 and running <= 2 and lf for n, running, lf in steps)
+    assert (sched.longest_first, sched.max_num_seqs, sched.max_num_batched_tokens) == (False, 4, 64)
+
+
 def test_string_prompts_use_the_checkpoint_tokenizer(llm, tied):
     _, cfg, hf = tied
     tok = llm.tokenizer
@@ -387,8 +428,8 @@ def test_other_request_errors(llm, tied):
         LLM(path, max_num_seq=3)
     with pytest.raises(ValueError, match="LLM: kvcache_block_size must be one of"):
         LLM(path, kvcache_block_size=8)
-    with pytest.raises(ValueError, match=r"LLM: scheduling_policy must be one of \('fcfs', "
-                                         r"'longest_first'\), got 'lifo'"):
+    with pytest.raises(ValueError, match=r"LLM: scheduling_policy must be one of \('auto', "
+                                         r"'fcfs', 'longest_first'\), got 'lifo'"):
         LLM(path, scheduling_policy="lifo")
     for v in (48, -32, True, 64.0):
         with pytest.raises(ValueError, match="LLM: max_piecewise_graph_tokens must be 0 .off. or "

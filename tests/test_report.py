@@ -52,7 +52,7 @@ def _write_results(record, results):
     bench = _benchmark_module("bench_engine")
 
     class Args:  # bench_engine's argparse namespace, as far as engine_row reads it
-        num_seqs, model, size, scheduling_policy, max_num_seqs = 256, None, "8B", "fcfs", 512
+        num_seqs, model, size, scheduling_policy, max_num_seqs = 256, None, "8B", "auto", 512
         max_num_batched_tokens, max_piecewise_graph_tokens, no_overlap_steps = 16384, 512, False
         tp_all_reduce, tensor_parallel_size, enforce_eager, block_size = "auto", 1, False, 256
         kv_cache_dtype, deterministic = "auto", False

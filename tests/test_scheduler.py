@@ -261,5 +261,37 @@ def test_preempted_sequence_is_readmitted_by_its_output_left():
 
 
 def test_unknown_policy_is_rejected():
-    with pytest.raises(ValueError, match=r"policy must be one of \('fcfs', 'longest_first'\), got 'lifo'"):
+    with pytest.raises(ValueError, match=r"policy must be one of \('auto', 'fcfs', 'longest_first'\), "
+                                         r"got 'lifo'"):
         make(policy="lifo")
+
+
+def test_throughput_schedule_rule():
+    """policy "auto": a large offline batch on a large model gets the throughput budgets (capped
+    by the configured ones); anything else runs as configured."""
+    from qwen3_model.config import (THROUGHPUT_MAX_NUM_BATCHED_TOKENS as T,
+                                    THROUGHPUT_MAX_NUM_SEQS as S,
+                                    THROUGHPUT_MIN_WEIGHT_BYTES as W)
+    from qwen3_model.engine.scheduler import throughput_schedule
+
+    assert throughput_schedule("auto", W, S + 1, 512, 16384, True) == (S, T)
+    assert throughput_schedule("auto", W, S + 1, 64, 100, True) == (64, 100)  # configured smaller
+    assert throughput_schedule("auto", W - 1, 10_000, 512, 16384, True) is None  # small model
+    assert throughput_schedule("auto", W, S, 512, 16384, True) is None  # a batch the GPU runs at once
+    assert throughput_schedule("auto", W, 10_000, 512, 16384, False) is None  # eager mixed steps
+    for policy in ("fcfs", "longest_first"):  # an explicit policy is kept as given
+        assert throughput_schedule(policy, W, 10_000, 512, 16384, True) is None
+
+
+def test_offline_batch_runs_longest_first_under_its_budgets_then_restores():
+    sched = make(budget=32, max_seqs=8)
+    seqs = [Sequence(list(range(1, 1 + n)), SamplingParams(max_tokens=m, ignore_eos=True))
+            for n, m in ((6, 2), (9, 7), (3, 4), (12, 9))]
+    for s in seqs:
+        sched.add(s)
+    with sched.offline_batch(2, 24):
+        batch = sched.schedule()
+        assert batch.num_tokens <= 24 and len(sched.running) == 2
+        # the most output first: max_tokens 9, then 7
+        assert [s.params.max_tokens for s in sched.running] == [9, 7]
+    assert (sched.longest_first, sched.max_num_seqs, sched.max_num_batched_tokens) == (False, 8, 32)

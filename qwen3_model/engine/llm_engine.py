@@ -13,6 +13,7 @@ tensor-parallel ranks), detokenizer.py (text and stop strings).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -21,10 +22,10 @@ from typing import Iterator, Sequence as Seq
 import torch
 import torch.distributed as dist
 
-from qwen3_model.config import Config
+from qwen3_model.config import THROUGHPUT_MAX_NUM_BATCHED_TOKENS, Config
 from qwen3_model.engine.detokenizer import Detokenizer, DetokState, load_tokenizer
 from qwen3_model.engine.model_runner import ModelRunner
-from qwen3_model.engine.scheduler import Scheduler
+from qwen3_model.engine.scheduler import Scheduler, throughput_schedule
 from qwen3_model.engine.sequence import Sequence, TokenLogprobs
 from qwen3_model.engine.workers import (FAIL_GRACE_S, abort_nccl, dead_worker,
                                         recv_while_alive, start_workers, stop_workers)
@@ -138,6 +139,12 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.detokenizer = Detokenizer(self.tokenizer, config.eos_token_ids, self.scheduler.finish)
+        # the last generate / stream's (max_num_seqs, max_num_batched_tokens) under
+        # scheduling_policy="auto" (longest first), or None: as configured
+        self.offline_schedule = None
+        # the weights one GPU holds (this rank's shard): what scheduling_policy="auto" reads
+        self.weight_bytes = sum(p.numel() * p.element_size()
+                                for p in self.model_runner.model.parameters())
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (also done at exit / garbage collection);
@@ -374,6 +381,15 @@ class LLMEngine:
         # Without streamed text, only stop strings need the text before the end; without them
         # too, a step's work here is its finished sequences, not every one that got a token.
         every_seq = want_text or any(sp.stop for _, sp in requests)
+        cfg, pw = self.config, self.model_runner.piecewise
+        caps = throughput_schedule(
+            cfg.scheduling_policy, self.weight_bytes, len(seqs), cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            pw is not None and pw.max_tokens >= THROUGHPUT_MAX_NUM_BATCHED_TOKENS)
+        self.offline_schedule = caps  # (read by benchmarks: what "auto" chose)
+        schedule = contextlib.ExitStack()
+        if caps is not None:
+            schedule.enter_context(self.scheduler.offline_batch(*caps))
         try:
             t0 = time.perf_counter()
             for got, finished, n_prefill, n_decode in self._steps():
@@ -402,6 +418,7 @@ class LLMEngine:
                                              f"decode {dec_tps:,.0f} tok/s")
                         last_shown = t1
         finally:
+            schedule.close()  # the configured policy and budgets again
             self.scheduler.abort_all()  # no-op when everything finished
             if pbar is not None:
                 pbar.close()

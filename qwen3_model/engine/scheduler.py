@@ -23,11 +23,15 @@ shortest requests wait for a slot, and their prompts fill the batch's last steps
 otherwise decode a few sequences each (Qwen3-8B on an H200: 384 tokens and 176 sequences for 256
 requests, benchmarks/RESULTS.md). It orders by
 ``max_tokens`` (a bound when EOS can end a request early) and may keep a short request waiting
-behind longer ones, so it is a throughput setting for offline batches, not the default.
+behind longer ones, so it is a throughput setting for offline batches only. ``policy="auto"``
+(the default) is fcfs, and the engine switches a large offline batch on a large model to longest
+first with smaller budgets for the length of that batch (``throughput_schedule``,
+``Scheduler.offline_batch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from itertools import chain, repeat
 from dataclasses import dataclass, field
@@ -35,7 +39,12 @@ from operator import attrgetter
 
 import numpy as np
 
-from qwen3_model.config import SCHEDULING_POLICIES
+from qwen3_model.config import (
+    SCHEDULING_POLICIES,
+    THROUGHPUT_MAX_NUM_BATCHED_TOKENS,
+    THROUGHPUT_MAX_NUM_SEQS,
+    THROUGHPUT_MIN_WEIGHT_BYTES,
+)
 from qwen3_model.engine.block_manager import BlockManager
 from qwen3_model.engine.sequence import Sequence, SequenceStatus
 
@@ -81,6 +90,22 @@ def _output_left(seq: Sequence) -> int:
     return seq.max_num_tokens - len(seq.token_ids)
 
 
+def throughput_schedule(policy: str, weight_bytes: int, num_requests: int, max_num_seqs: int,
+                        max_num_batched_tokens: int, mixed_step_graphs: bool,
+                        ) -> tuple[int, int] | None:
+    """``policy="auto"`` for an offline batch of ``num_requests`` on a model with ``weight_bytes``
+    of weights per GPU: (max_num_seqs, max_num_batched_tokens) to run it longest first under,
+    or None to run it as configured (config.py, THROUGHPUT_*). ``mixed_step_graphs``: steps of
+    THROUGHPUT_MAX_NUM_BATCHED_TOKENS prompt and decode tokens replay CUDA graphs (one GPU,
+    piecewise graphs that large); run eagerly, their launches would set the pace instead."""
+    if (policy != "auto" or not mixed_step_graphs or weight_bytes < THROUGHPUT_MIN_WEIGHT_BYTES
+            or num_requests <= THROUGHPUT_MAX_NUM_SEQS):
+        return None
+    # (max_num_seqs <= max_num_batched_tokens holds for the pair as for the configured one)
+    return (min(max_num_seqs, THROUGHPUT_MAX_NUM_SEQS),
+            min(max_num_batched_tokens, THROUGHPUT_MAX_NUM_BATCHED_TOKENS))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -97,7 +122,7 @@ class Scheduler:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"Scheduler: policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {policy!r}")
-        self.longest_first = policy == "longest_first"
+        self.longest_first = policy == "longest_first"  # ("auto": fcfs; see offline_batch)
         self._waiting_sorted = True  # longest_first: whether ``waiting`` is in admission order
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -119,6 +144,18 @@ class Scheduler:
         # the sequences the last postprocess finished, in batch order (the engine reads them
         # instead of scanning every sequence that got a token)
         self.last_finished: list[Sequence] = []
+
+    @contextlib.contextmanager
+    def offline_batch(self, max_num_seqs: int, max_num_batched_tokens: int):
+        """Longest first under these budgets until the block ends (``throughput_schedule``'s),
+        then the configured policy and budgets again."""
+        saved = self.longest_first, self.max_num_seqs, self.max_num_batched_tokens
+        self.longest_first, self._waiting_sorted = True, False
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        try:
+            yield
+        finally:
+            self.longest_first, self.max_num_seqs, self.max_num_batched_tokens = saved
 
     # ---- queue ---------------------------------------------------------------------------
 

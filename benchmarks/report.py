@@ -261,10 +261,9 @@ def readme_rows(docs: dict[str, dict]) -> list[str]:
             if bench == "before_after":
                 continue
             if bench == "bench_engine":
-                # README keeps the weights / KV formats and the mode at their defaults (FP8
-                # weights come with the checkpoint); every other variant is in RESULTS.md.
-                st = r.get("settings") or {}
-                if st.get("kv_cache_dtype", "auto") != "auto" or st.get("deterministic"):
+                # README keeps the engine at its defaults (FP8 weights come with the
+                # checkpoint); every other setting is in RESULTS.md.
+                if settings_label(r.get("settings")) != "defaults":
                     continue
                 ours = f"{r['output_tok_s']:,.0f} tok/s" if r.get("output_tok_s") else ""
                 if r.get("mode") == "batch1" and r.get("decode_tok_s"):
@@ -432,27 +431,45 @@ def plot_linear(plt, doc, path: Path):
 
 
 def plot_engine(plt, doc, path: Path):
+    """Horizontal bars, one per row: the workload rows' output tok/s and the batch-1 rows' decode
+    tok/s in panels of their own (linear scales: the two differ by 100x), sorted by model."""
     rows = [r for r in doc.get("rows", []) if r.get("output_tok_s")]
     if not rows:
         return None
     by_batch = [r for r in rows if r.get("decode_tok_s_by_batch")]
-    fig, axes = plt.subplots(1, 2 if by_batch else 1, figsize=(12 if by_batch else 7, 4.4),
-                             squeeze=False)
-    ax = axes[0][0]
-    labels = [f"{r.get('size') or r['model']} {r['workload'].split(':')[0]}\n"
-              + settings_label(r.get("settings")).replace(", ", "\n") for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["output_tok_s"] for r in rows], 0.4, label="ours")
-    if any(r.get("baseline_tok_s") for r in rows):
-        ax.bar([x + 0.2 for x in xs], [r.get("baseline_tok_s") or 0 for r in rows], 0.4,
-               label="transformers")
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=7)
-    ax.set_ylabel("output tok/s")
-    ax.set_title("output tok/s by workload / setting", fontsize=9)
-    ax.legend(fontsize=7)
+    panels = [(title, [r for r in rows if (r.get("mode") == "batch1") == batch1])
+              for title, batch1 in (("output tok/s (nano-vllm workload)", False),
+                                    ("decode tok/s (batch 1)", True))]
+    panels = [(t, sorted(rs, key=lambda r: (r["model"], settings_label(r.get("settings")))))
+              for t, rs in panels if rs]
+    n = len(panels) + (1 if by_batch else 0)
+    tall = max(len(rs) for _, rs in panels)
+    fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 1.2 + 0.32 * tall), squeeze=False)
+    for ax, (title, rs) in zip(axes[0], panels):
+        key = "decode_tok_s" if rs[0].get("mode") == "batch1" else "output_tok_s"
+        vals = [r.get(key) or r["output_tok_s"] for r in rs]
+        short = (("scheduling_policy=", ""), ("max_num_seqs=", "seqs "),
+                 ("max_num_batched_tokens=", "tokens "), ("kv_cache_dtype=fp8", "fp8 KV"))
+        labels = []
+        for r in rs:
+            label = settings_label(r.get("settings"))
+            for a, b in short:
+                label = label.replace(a, b)
+            labels.append(f"{r['model'].split(' (')[0].replace('Qwen3-', '')}: {label}")
+        ys = range(len(rs))
+        ax.barh(list(ys), vals, 0.7, label="ours")
+        if any(r.get("baseline_tok_s") for r in rs):
+            ax.barh([y + 0.35 for y in ys], [r.get("baseline_tok_s") or 0 for r in rs], 0.35,
+                    label="transformers")
+            ax.legend(fontsize=7)
+        for y, v in zip(ys, vals):
+            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=6)
+        ax.set_yticks(list(ys), labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(vals) * 1.18)
+        ax.set_title(title, fontsize=9)
     if by_batch:
-        ax = axes[0][1]
+        ax = axes[0][-1]
         for r in by_batch:
             bins = sorted(r["decode_tok_s_by_batch"].items(), key=lambda kv: int(kv[0]))
             xs_b = [min(int(k), 512) for k, _ in bins]  # the last bin is open-ended

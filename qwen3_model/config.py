@@ -18,9 +18,12 @@ SCHEDULING_POLICIES = ("auto", "fcfs", "longest_first")
 # THROUGHPUT_MAX_NUM_SEQS requests on a model with at least THROUGHPUT_MIN_WEIGHT_BYTES of weights
 # per GPU runs longest first with at most THROUGHPUT_MAX_NUM_SEQS sequences and
 # THROUGHPUT_MAX_NUM_BATCHED_TOKENS tokens a step (the configured values where smaller): the
-# schedule that measured fastest there (Qwen3-8B on an H200: 1.05x the fcfs defaults; Qwen3-0.6B
-# 0.98x, so smaller models keep the defaults; benchmarks/RESULTS.md). Everything else, and the
-# online engine (AsyncLLM, the server) always, runs fcfs under the configured budgets.
+# schedule that measured fastest there. The nano-vllm workload on an H200 (one call), this schedule
+# / fcfs at 512 sequences and 16384 tokens: Qwen3-8B 1.06x (bf16, 15.3 GiB of weights) and 1.03x
+# (FP8, 8.8 GiB), 4B 1.03x (7.5 GiB), 1.7B 1.02x (3.2 GiB); Qwen3-0.6B (1.1 GiB, host-bound at
+# small steps) 0.98x in another call, so it keeps fcfs (benchmarks/RESULTS.md); so does the
+# deterministic mode (scheduler.throughput_schedule). Everything else, and the online engine
+# (AsyncLLM, the server) always, runs fcfs under the configured budgets.
 THROUGHPUT_MIN_WEIGHT_BYTES = 2 * 2**30
 THROUGHPUT_MAX_NUM_SEQS = 176
 THROUGHPUT_MAX_NUM_BATCHED_TOKENS = 384

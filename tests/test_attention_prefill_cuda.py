@@ -250,6 +250,19 @@ def test_prefill_many_work_tiles(block_size, grid):
 
 
 @requires_cuda
+def test_prefill_many_one_key_tile_work_tiles(grid):
+    """Hundreds of short sequences: every work tile has one or two key tiles, so the producer
+    publishes tiles into the two Q buffers faster than the consumers finish them, and each
+    buffer's barrier phases turn many times within one CTA."""
+    gen = torch.Generator().manual_seed(11)
+    seqs = [(n, n) for n in torch.randint(1, 180, (300,), generator=gen).tolist()]
+    case = Case(seqs, 32, 8, 16, torch.bfloat16, seed=12).cuda()
+    first = run_ours(case)
+    check_against_reference(case, first)
+    torch.testing.assert_close(run_ours(case), first, rtol=0, atol=0)
+
+
+@requires_cuda
 def test_prefill_persistent_in_cuda_graph():
     """The persistent grid (on Hopper) captured and replayed after the inputs change, and on a
     second stream."""

@@ -22,56 +22,67 @@
 // row 16 w + g + 8 (e >> 1), column 8 j + 2 t + (e & 1): the mma.sync C layout, N / 8 times.
 // The register A operand of a k16 step has the mma.sync A layout, so P is packed as in prefill.cu.
 //
-// CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128.
-//   WG 0, producer (setmaxnreg down to 40): copies Q (once a work tile), then K(0), V(0), K(1), ...
-//     into a ring of kStages K and kStages V slots with 16-byte cp.async (each key row's address
-//     goes through the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async
-//     also zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
-//     signals "slot full" with cp.async.mbarrier.arrive.noinc: the barrier (count 128) completes
-//     when every producer thread's copies have landed. Before refilling a slot it waits on the
-//     slot's "empty" barrier (count 8: one arrival per consumer warp).
+// CTA = 3 warpgroups, BLOCK_M = 128 packed rows, key tiles of BLOCK_N = 128. Shared memory (the
+// persistent grid's; the one-tile grid's in brackets, see Buffers): two [one] Q buffers (32 KiB
+// each), a ring of 2 [3] K slots and 3 V slots (32 KiB each), a published work tile per Q buffer,
+// the barriers: 225 KiB of the 227 KiB a CTA may opt into.
+//   WG 0, producer (setmaxnreg down to 40): the only role that walks the list of work tiles
+//     (reading the sequence bounds from global memory). For each non-empty tile it publishes the
+//     tile (a TileInfo in shared memory) and its Q in the next Q buffer (round robin), then
+//     copies K(0), V(0), K(1), ... into the rings, then the next tile; past the last it publishes
+//     an end marker. All copies are 16-byte cp.async (each key row's address goes through the
+//     block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async also zero-fills
+//     keys past the sequence, which keeps a stale NaN slot out of P V). A thread signals "full"
+//     with cp.async.mbarrier.arrive.noinc: the barrier (count 128) completes when every producer
+//     thread's copies have landed; a Q buffer's barrier counts 129, the last arrival being thread
+//     0's plain (release) arrive after it wrote the TileInfo. Before refilling a slot or a Q
+//     buffer it waits on its "empty" barrier (count 8: one arrival per consumer warp).
 //   WG 1, 2, consumers (setmaxnreg up to 232): 64 rows each, without any load or CTA barrier:
-//     iteration n issues S(n) = Q K(n)^T and P(n-1) V(n-1), waits for S(n) only and runs the
-//     softmax of tile n while P V runs (intra-warpgroup overlap).
+//     wait for the next Q buffer, read its TileInfo (end marker: done), then iteration n issues
+//     S(n) = Q K(n)^T and P(n-1) V(n-1), waits for S(n) only and runs the softmax of tile n while
+//     P V runs (intra-warpgroup overlap); the output goes from registers to global memory.
 //   Ping-pong: the two consumers take turns issuing their GEMMs (named barriers 1 and 2), so one
 //     warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
+// Why two Q buffers and the producer's TileInfo: with one Q buffer the producer could load the
+// next tile's Q only once both consumers had run their last S of the current one, and each
+// consumer computed the next tile itself (integer divisions and dependent global loads of the
+// sequence bounds). A clock64 profile of the one-buffer kernel (H200, 8 x 2k causal) put ~2,700
+// cycles a work tile in the consumers' wait for Q and ~2,400 in their tile computation, next to
+// ~3,200 a key tile; the two buffers cost the K ring its third slot (the V ring keeps three: a V
+// slot is held one iteration longer than a K slot, from P V's issue to its retirement).
 //
-// mbarrier phases: tile n lives in slot n % kStages in round r = n / kStages; consumers wait
-// "full" with parity r & 1, the producer waits "empty" with parity (r & 1) ^ 1, which a fresh
-// barrier satisfies at once for r = 0. cp.async writes through the generic proxy and wgmma reads
-// through the async proxy, so each consumer issues fence.proxy.async after its full-waits (a
-// writer-side fence is impossible: the producer never sees its copies land).
-// The producer's empty-waits trap after ~2^26 polls (a lost arrival fails the launch, no hang).
-// The ping-pong barriers need 256 arrivals (128 sync + 128 arrive): consumer c syncs on barrier
-// 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer 0
-// the first turn, and consumer 0 takes one empty turn at the end (a sync on barrier 1), which
+// mbarrier phases: ring slot s of round r (r = tiles through the ring / depth) is waited "full"
+// with parity r & 1 by the consumers and "empty" with parity (r & 1) ^ 1 by the producer, which a
+// fresh barrier satisfies at once for r = 0; Q buffer b = j % 2 is in round j / 2 the same way.
+// K and V rings run on across work tiles with their own slot counters. cp.async writes through
+// the generic proxy and wgmma reads through the async proxy, so each consumer issues
+// fence.proxy.async after its full-waits (a writer-side fence is impossible: the producer never
+// sees its copies land). The producer's waits trap after ~2^26 polls (a lost arrival fails the
+// launch, no hang). The ping-pong barriers need 256 arrivals (128 sync + 128 arrive): consumer c
+// syncs on barrier 1 + c before issuing, then arrives on the other's; consumer 1 grants consumer
+// 0 the first turn, and consumer 0 takes one empty turn at the end (a sync on barrier 1), which
 // consumes consumer 1's last grant: no arrival is left pending when the CTA exits (both do the
 // same number of turns: n_tiles per work tile, the same tiles).
 //
 // Two grids of the same kernel (launch_sm90_ws; prefill.cu chooses by the longest query length):
-//   one-tile: grid (Hkv, M blocks, B), one work tile per CTA.
+//   one-tile: grid (Hkv, M blocks, B), a list of one work tile per CTA.
 //   persistent: a grid of one CTA per SM, each walking a list of work tiles (kv head, M block,
-//     sequence) in a fixed order (persistent_tile), so every role knows the list without talking.
-//     The K/V ring's slots and phases run on across tiles; Q gets a barrier of its own, "Q empty"
-//     (one arrival per consumer warp after its last S of the tile), so the producer loads the next
-//     tile's Q while the consumers still run the current tile's last P V, softmax and output; the
-//     output then goes from registers straight to global memory (the one-tile grid stages it in
-//     Q's shared memory, which here already holds the next Q). What it saves: each CTA of the
-//     one-tile grid waits for its Q and first K before any math (6% of the stall samples at 4k
-//     causal, more with many short CTAs; H200 profile).
+//     sequence) in a fixed order (persistent_tile); the next tile's Q lands while the consumers
+//     finish the current one.
 //
-// Variants that no shape picks (branch experiment/prefill-sm90-variants keeps them and the
-// environment switch): a single-role wgmma kernel (prefill_sm90.cu: loads and GEMMs in
-// every warp, one CTA barrier per tile), a 2-stage K/V ring, and both ring depths without
-// ping-pong. H200, bench_attention_prefill.py, us (causal 4k 32/8 bs 256 | 4k 16/8 | 8 x 2k |
-// 16k | 4k bs 16 | prefix Lq 2048 Lk 8k | prefix Lq 512 Lk 16k):
-//   single-role   438.1 | 226.2 | 937.5 | 6339.7 | 447.8 | 731.6 | 418.9
-//   2 stages      281.7 | 148.5 | 654.9 | 4291.6 | 383.8 | 469.0 | 272.6
-//   2, no pp      284.0 | 144.7 | 667.2 | 4161.7 | 353.3 | 440.3 | 247.8
-//   3, no pp      282.8 | 142.2 | 665.9 | 4069.5 | 338.4 | 426.5 | 239.2
-//   3 (kept)      284.1 | 140.5 | 649.4 | 4093.3 | 338.7 | 418.5 | 234.0
-//   3, persistent 274.2 | 138.8 | 634.7 | 4116.2 | 342.6 | 430.7 | 236.8
-//   cuDNN         266.4 | 152.4 | 506.0 | 3770.9 | 264.1 |   -   |   -
+// Measured (H200, scratch harness on branch experiment/prefill-sm90-q-buffers: this kernel against
+// the one-Q-buffer K3/V3 kernel it replaced, same inputs, alternating, us; causal Hq/Hkv 32/8):
+//   4k 259.2 -> 254.4 | 4k 16/8 132.7 -> 131.1 | 8 x 2k 618.5 -> 605.9 | 4k bs 16 328.4 -> 313.4 |
+//   8 x 2k bs 16 756.5 -> 723.3 | 16 x 1k 408.5 -> 402.0 | 64 x 256 251.4 -> 239.1 |
+//   24 x 100..1024 288.2 -> 281.5 | prefix Lq 2048 Lk 8k 408.2 -> 399.7 |
+//   prefix Lq 512 Lk 16k 239.6 -> 235.0
+//   (16k one-tile: within the run-to-run spread of the long shape, 3.9-4.0 ms both).
+// Variants that lost: K ring 3 / V ring 2 with two Q buffers (0.80-0.95x on every shape but
+// 64 x 256); in the one-buffer kernel: each consumer's 64 Q rows with barriers of their own,
+// the producer's K(0) / V(0) ahead of the next Q, an L2 prefetch of the next tile's Q, the
+// (sequence, kv head) pairs in L2-sized sections (hit rate 47% -> 85% at 8 x 2k, 3-13% slower):
+// 0.87-1.03x. Older variants (branch experiment/prefill-sm90-variants): a single-role kernel,
+// 2-stage rings, no ping-pong.
 #include <type_traits>
 
 #include "prefill_common.cuh"
@@ -87,7 +98,7 @@ namespace {
 constexpr int kBlockM = 128;                        // 2 consumer warpgroups x 64 packed rows
 constexpr int kBlockN = 128;                        // keys per K/V tile
 constexpr int kThreads = 384;                       // producer + 2 consumer warpgroups
-constexpr int kQBytes = kBlockM * kHeadDim * 2;     // 32 KiB, reused to stage the output
+constexpr int kQBytes = kBlockM * kHeadDim * 2;     // 32 KiB per Q buffer
 constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // 32 KiB per K or V slot
 // setmaxnreg budgets: the producer needs ~37 registers, a consumer ~190 (O, S and P of a 64 x 128
 // tile live at once: 64 + 64 + 32). 128 * 40 + 256 * 232 = 64512 = 384 threads x 168.
@@ -95,10 +106,21 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
 
-constexpr int kStages = 3;                          // K/V ring depth
-// 1 KiB alignment slack + Q + K and V rings + barriers (2 + 4 * kStages of 8 bytes).
-constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (2 + 4 * kStages);
-static_assert(kSmemBytes <= 227 * 1024, "the ring must fit the opt-in shared memory");
+constexpr int kInfoBytes = 64;                      // one published work tile (TileInfo)
+
+// The buffers of each grid: the persistent one double-buffers Q at the cost of a K slot; the
+// one-tile grid has one tile, so one Q buffer and a K ring of 3.
+template <bool kPersistent>
+struct Buffers {
+  static constexpr int kQ = kPersistent ? 2 : 1;  // Q buffers (each with its TileInfo)
+  static constexpr int kK = kPersistent ? 2 : 3;  // K ring depth
+  static constexpr int kV = 3;                    // V ring depth
+  // 1 KiB alignment slack + Q buffers + the K and V rings + TileInfos + the barriers (a full and
+  // an empty per Q buffer and ring slot, 8 bytes each).
+  static constexpr int kSmemBytes = 1024 + kQ * kQBytes + (kK + kV) * kTileBytes +
+                                    kQ * kInfoBytes + 16 * (kQ + kK + kV);
+  static_assert(kSmemBytes <= 227 * 1024, "the rings must fit the opt-in shared memory");
+};
 
 #if defined(QWEN3_PREFILL_WS)
 
@@ -136,85 +158,73 @@ __device__ __forceinline__ bool persistent_tile(int k, int m_blocks, int kv_head
   return true;
 }
 
+// A work tile as the producer publishes it (shared memory, with its Q): packed rows row0 ..
+// of sequence seq (its first query token at q_start, rows = its query length x group) for one kv
+// head; query token t sits at absolute position shift + t; n_tiles key tiles, the first n_full
+// without a mask. n_tiles == kEndOfWork: no more work for this CTA.
+struct TileInfo {
+  int kv_head, seq, q_start, rows, row0, shift, n_tiles, n_full;
+};
+static_assert(sizeof(TileInfo) <= kInfoBytes, "TileInfo slot");
+constexpr int kEndOfWork = -2;
+
 #endif  // QWEN3_PREFILL_WS
 
-// One-tile grid: (Hkv, m_blocks, B), M tiles in reverse (longest rows first).
-// Persistent (kPersistent): grid (min(tiles, SMs)), tiles from persistent_tile.
+// One-tile grid (Hkv, m_blocks, B): the CTA's list is its one work tile (M blocks in reverse:
+// longest rows first). Persistent (kPersistent): grid (min(tiles, SMs)), tiles from
+// persistent_tile.
 template <typename T, bool kPersistent>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_ws_kernel(const PrefillParams p, int m_blocks, int batch) {
 #if defined(QWEN3_PREFILL_WS)
   using namespace sm90;
+  constexpr int kQBuffers = Buffers<kPersistent>::kQ;
+  constexpr int kKStages = Buffers<kPersistent>::kK;
+  constexpr int kVStages = Buffers<kPersistent>::kV;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
-  const uint32_t s_q = (raw_addr + 1023) & ~1023u;  // the 128-byte swizzle needs 1 KiB alignment
+  const uint32_t s_q = (raw_addr + 1023) & ~1023u;  // [kQBuffers] Q buffers
   uint8_t* smem = smem_raw + (s_q - raw_addr);
-  const uint32_t s_k = s_q + kQBytes;                 // kStages slots
-  const uint32_t s_v = s_k + kStages * kTileBytes;    // kStages slots
-  const uint32_t s_bar = s_v + kStages * kTileBytes;  // 8-byte mbarriers:
-  const uint32_t bar_q = s_bar;                       //   Q landed
-  const uint32_t bar_q_empty = s_bar + 8;             //   Q read by all 8 warps (persistent)
-  const uint32_t bar_k_full = s_bar + 16;             //   [kStages] K slot filled
-  const uint32_t bar_v_full = bar_k_full + 8 * kStages;
-  const uint32_t bar_k_empty = bar_v_full + 8 * kStages;  // [kStages] K slot read by all 8 warps
-  const uint32_t bar_v_empty = bar_k_empty + 8 * kStages;
+  const uint32_t s_k = s_q + kQBuffers * kQBytes;       // [kKStages] K slots
+  const uint32_t s_v = s_k + kKStages * kTileBytes;     // [kVStages] V slots
+  const uint32_t s_info = s_v + kVStages * kTileBytes;  // [kQBuffers] TileInfo
+  TileInfo* info = reinterpret_cast<TileInfo*>(smem + (s_info - s_q));
+  const uint32_t s_bar = s_info + kQBuffers * kInfoBytes;    // 8-byte mbarriers:
+  const uint32_t bar_q_full = s_bar;                         //   [kQBuffers] Q + info landed
+  const uint32_t bar_q_empty = bar_q_full + 8 * kQBuffers;   //   [kQBuffers] Q read by 8 warps
+  const uint32_t bar_k_full = bar_q_empty + 8 * kQBuffers;   //   [kKStages]
+  const uint32_t bar_k_empty = bar_k_full + 8 * kKStages;    //   [kKStages] read by 8 warps
+  const uint32_t bar_v_full = bar_k_empty + 8 * kKStages;    //   [kVStages]
+  const uint32_t bar_v_empty = bar_v_full + 8 * kVStages;    //   [kVStages] read by 8 warps
 
   const int group = p.group;
-  // Work tile k of this CTA (false: no more), and what follows from it. Every role walks the same
-  // list and skips the same empty tiles (M blocks past a shorter sequence's rows).
-  struct Tile {
-    int kv_head, seq, q_start, rows, row0, lk, shift, n_tiles, n_full;
-  };
-  auto get_tile = [&](int k, Tile& t) -> bool {
-    WorkTile w;
-    if (kPersistent) {
-      if (!persistent_tile(k, m_blocks, p.num_kv_heads, batch, w)) return false;
-    } else {
-      if (k > 0) return false;
-      w = WorkTile{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.y - 1 - blockIdx.y),
-                   static_cast<int>(blockIdx.z)};
-    }
-    t.kv_head = w.kv_head;
-    t.seq = w.seq;
-    t.q_start = p.cu_seqlens_q[w.seq];
-    const int lq = p.cu_seqlens_q[w.seq + 1] - t.q_start;
-    t.rows = lq * group;
-    t.row0 = w.m_block * kBlockM;
-    t.lk = min(p.seq_lens_k[w.seq], p.max_blocks << p.block_size_log2);
-    t.shift = t.lk - lq;  // absolute position of query token t is shift + t
-    if (t.row0 >= t.rows) {
-      t.n_tiles = -1;  // empty: skipped by every role
-      return true;
-    }
-    const int t_first = t.row0 / group;
-    const int t_last = (min(t.row0 + kBlockM, t.rows) - 1) / group;
-    const int key_end = t.shift + t_last + 1;
-    t.n_tiles = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
-    t.n_full = max(0, (t.shift + t_first + 1) / kBlockN);  // tiles before it need no mask
-    return true;
-  };
-  if (!kPersistent) {
-    Tile t;
-    get_tile(0, t);
-    if (t.n_tiles < 0) return;  // the whole CTA, before any barrier
-  }
-
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
+  if (!kPersistent) {  // an M block past a shorter sequence's rows: the whole CTA returns early
+    const int seq = blockIdx.z;
+    const int rows = (p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq]) * group;
+    if (static_cast<int>(gridDim.y - 1 - blockIdx.y) * kBlockM >= rows) return;
+  }
 
   if (tid == 0) {
-    mbar_init(bar_q, 128);
-    mbar_init(bar_q_empty, 8);  // one arrival per consumer warp
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_k_full + 8 * s, 128);  // one cp.async-tracked arrival per producer thread
+    for (int b = 0; b < kQBuffers; ++b) {
+      mbar_init(bar_q_full + 8 * b, 129);  // 128 cp.async-tracked arrivals + thread 0's info
+      mbar_init(bar_q_empty + 8 * b, 8);   // one arrival per consumer warp
+    }
+#pragma unroll
+    for (int s = 0; s < kKStages; ++s) {
+      mbar_init(bar_k_full + 8 * s, 128);
+      mbar_init(bar_k_empty + 8 * s, 8);
+    }
+#pragma unroll
+    for (int s = 0; s < kVStages; ++s) {
       mbar_init(bar_v_full + 8 * s, 128);
-      mbar_init(bar_k_empty + 8 * s, 8);   // one arrival per consumer warp
       mbar_init(bar_v_empty + 8 * s, 8);
     }
     mbar_init_fence();
   }
-  __syncthreads();  // the last CTA-wide barrier: the roles never meet at one again
+  __syncthreads();
 
   if (wg == 0) {
     // ---------------------------------- producer ----------------------------------
@@ -228,56 +238,88 @@ __global__ void __launch_bounds__(kThreads, 1)
     // with row & 7, which is ld_row for all 16 of this thread's rows.
     const uint32_t dst_row0 = gmma_offset(ld_row, ld_chunk, kBlockN);
     const int64_t row_step = 8 * slot_stride;  // elements from one of its rows to the next
-    int stage = 0;
-    uint32_t round_parity = 0;  // (K/V tiles loaded / kStages) & 1, over all work tiles
-    uint32_t q_parity = 0;      // (work tiles loaded) & 1
-    Tile tile;
-    for (int k = 0; get_tile(k, tile); ++k) {
-      if (tile.n_tiles < 0) continue;
-      const int lk = tile.lk;
-      // The previous tile's Q is free once every consumer warp has run its last S.
-      if (kPersistent) mbar_wait<true>(bar_q_empty, q_parity ^ 1);
-      load_q_tile<T, kBlockM, 8, 4>(p, s_q, tile.q_start, tile.kv_head, group, tile.row0,
-                                    tile.rows, ld_row, ld_chunk,
+    int k_stage = 0, v_stage = 0;              // next ring slots, over all work tiles
+    uint32_t k_parity = 0, v_parity = 0;       // (tiles through the ring / depth) & 1
+    int j = 0;  // tiles published: Q buffer j % kQBuffers
+    for (int k = 0;; ++k) {
+      WorkTile w;
+      bool more;
+      if (kPersistent) {
+        more = persistent_tile(k, m_blocks, p.num_kv_heads, batch, w);
+      } else {
+        more = k == 0;
+        w = WorkTile{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.y - 1 - blockIdx.y),
+                     static_cast<int>(blockIdx.z)};
+      }
+      TileInfo t;
+      int lk = 0;
+      if (more) {
+        t.kv_head = w.kv_head;
+        t.seq = w.seq;
+        t.q_start = p.cu_seqlens_q[w.seq];
+        const int lq = p.cu_seqlens_q[w.seq + 1] - t.q_start;
+        t.rows = lq * group;
+        t.row0 = w.m_block * kBlockM;
+        if (t.row0 >= t.rows) continue;  // past a shorter sequence's rows: nothing to do
+        lk = min(p.seq_lens_k[w.seq], p.max_blocks << p.block_size_log2);
+        t.shift = lk - lq;
+        const int t_first = t.row0 / group;
+        const int t_last = (min(t.row0 + kBlockM, t.rows) - 1) / group;
+        const int key_end = t.shift + t_last + 1;
+        t.n_tiles = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
+        t.n_full = max(0, (t.shift + t_first + 1) / kBlockN);
+      } else {
+        t.n_tiles = kEndOfWork;
+      }
+      // Q buffer b is free once every consumer warp has run its last S of tile j - kQBuffers.
+      const int b = j % kQBuffers;
+      mbar_wait<true>(bar_q_empty + 8 * b, ((j / kQBuffers) & 1) ^ 1);
+      ++j;
+      if (tid == 0) info[b] = t;
+      if (!more) {
+        mbar_arrive(bar_q_full + 8 * b);  // 128 plain arrivals + thread 0's below
+        if (tid == 0) mbar_arrive(bar_q_full + 8 * b);
+        break;
+      }
+      load_q_tile<T, kBlockM, 8, 4>(p, s_q + b * kQBytes, t.q_start, t.kv_head, group, t.row0,
+                                    t.rows, ld_row, ld_chunk,
                                     [&](int r) { return gmma_offset(r, ld_chunk, kBlockM); });
-      cp_async_mbar_arrive(bar_q);
-      q_parity ^= 1;
+      cp_async_mbar_arrive(bar_q_full + 8 * b);
+      if (tid == 0) mbar_arrive(bar_q_full + 8 * b);  // releases the info written above
 
-      const T* k_head =
-          static_cast<const T*>(p.k_cache) + tile.kv_head * kHeadDim + ld_chunk * 8;
-      const T* v_head =
-          static_cast<const T*>(p.v_cache) + tile.kv_head * kHeadDim + ld_chunk * 8;
-      const int32_t* table = p.block_tables + (int64_t)tile.seq * p.max_blocks;
+      const T* k_head = static_cast<const T*>(p.k_cache) + t.kv_head * kHeadDim + ld_chunk * 8;
+      const T* v_head = static_cast<const T*>(p.v_cache) + t.kv_head * kHeadDim + ld_chunk * 8;
+      const int32_t* table = p.block_tables + (int64_t)t.seq * p.max_blocks;
       // Pages of 2^kLog2 < 128 keys: a tile starts on a page boundary and spans 128 >> kLog2
       // pages; this thread's rows of a page are the kPageRows rows ld_row, ld_row + 8, ... of it.
-      auto load_small_pages = [&](uint32_t dst, const T* head_base, int t, auto log2_tag) {
+      auto load_small_pages = [&](uint32_t dst, const T* head_base, int kt, auto log2_tag) {
         constexpr int kLog2 = decltype(log2_tag)::value;
         constexpr int kPageRows = (1 << kLog2) / 8;
-        const int32_t* tile_pages = table + ((t * kBlockN) >> kLog2);
+        const int32_t* tile_pages = table + ((kt * kBlockN) >> kLog2);
 #pragma unroll
         for (int pg = 0; pg < (kBlockN >> kLog2); ++pg) {
-          const int key_first = t * kBlockN + (pg << kLog2) + ld_row;  // this thread's first row
+          const int key_first = kt * kBlockN + (pg << kLog2) + ld_row;  // this thread's first row
           const int64_t page = key_first < lk ? __ldg(tile_pages + pg) : 0;
           const T* src = head_base + ((page << kLog2) + ld_row) * slot_stride;
 #pragma unroll
-          for (int j = 0; j < kPageRows; ++j) {
-            const bool valid = key_first + 8 * j < lk;
-            cp_async_16(dst + dst_row0 + 1024 * (pg * kPageRows + j),
-                        valid ? src + j * row_step : head_base, valid);
+          for (int i = 0; i < kPageRows; ++i) {
+            const bool valid = key_first + 8 * i < lk;
+            cp_async_16(dst + dst_row0 + 1024 * (pg * kPageRows + i),
+                        valid ? src + i * row_step : head_base, valid);
           }
         }
       };
-      // This thread's rows of key tile t -> dst; keys past the sequence are zero-filled (and
+      // This thread's rows of key tile kt -> dst; keys past the sequence are zero-filled (and
       // their block-table entries never read). This loop was the producer's bottleneck at ~40
-      // instructions a row, and the consumers waited on K (H200 profile): now the
-      // source address is computed once per page the rows touch and stepped 8 slots a row between.
-      auto load_tile = [&](uint32_t dst, const T* head_base, int t) {
-        const int key0 = t * kBlockN + ld_row;
+      // instructions a row, and the consumers waited on K (H200 profile): now the source address
+      // is computed once per page the rows touch and stepped 8 slots a row between.
+      auto load_tile = [&](uint32_t dst, const T* head_base, int kt) {
+        const int key0 = kt * kBlockN + ld_row;
         if (log2_bs >= 7) {
-          // Pages of >= 128 keys: the whole tile is in one page (t * 128 < lk: the tile exists).
-          const int64_t page = __ldg(table + ((t * kBlockN) >> log2_bs));
+          // Pages of >= 128 keys: the whole tile is in one page (kt * 128 < lk: the tile exists).
+          const int64_t page = __ldg(table + ((kt * kBlockN) >> log2_bs));
           const T* src = head_base + ((page << log2_bs) + (key0 & block_mask)) * slot_stride;
-          if (t * kBlockN + kBlockN <= lk) {  // every row valid (all but the last tile)
+          if (kt * kBlockN + kBlockN <= lk) {  // every row valid (all but the last tile)
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i)
               cp_async_16(dst + dst_row0 + 1024 * i, src + i * row_step, true);
@@ -292,21 +334,24 @@ __global__ void __launch_bounds__(kThreads, 1)
           return;
         }
         // Pages of 16 / 32 / 64 keys (the op accepts 16..256): each its own unrolled loop.
-        if (log2_bs == 4) load_small_pages(dst, head_base, t, std::integral_constant<int, 4>());
-        if (log2_bs == 5) load_small_pages(dst, head_base, t, std::integral_constant<int, 5>());
-        if (log2_bs == 6) load_small_pages(dst, head_base, t, std::integral_constant<int, 6>());
+        if (log2_bs == 4) load_small_pages(dst, head_base, kt, std::integral_constant<int, 4>());
+        if (log2_bs == 5) load_small_pages(dst, head_base, kt, std::integral_constant<int, 5>());
+        if (log2_bs == 6) load_small_pages(dst, head_base, kt, std::integral_constant<int, 6>());
       };
-
-      for (int t = 0; t < tile.n_tiles; ++t) {
-        mbar_wait<true>(bar_k_empty + 8 * stage, round_parity ^ 1);
-        load_tile(s_k + stage * kTileBytes, k_head, t);
-        cp_async_mbar_arrive(bar_k_full + 8 * stage);
-        mbar_wait<true>(bar_v_empty + 8 * stage, round_parity ^ 1);
-        load_tile(s_v + stage * kTileBytes, v_head, t);
-        cp_async_mbar_arrive(bar_v_full + 8 * stage);
-        if (++stage == kStages) {
-          stage = 0;
-          round_parity ^= 1;
+      for (int kt = 0; kt < t.n_tiles; ++kt) {
+        mbar_wait<true>(bar_k_empty + 8 * k_stage, k_parity ^ 1);
+        load_tile(s_k + k_stage * kTileBytes, k_head, kt);
+        cp_async_mbar_arrive(bar_k_full + 8 * k_stage);
+        if (++k_stage == kKStages) {
+          k_stage = 0;
+          k_parity ^= 1;
+        }
+        mbar_wait<true>(bar_v_empty + 8 * v_stage, v_parity ^ 1);
+        load_tile(s_v + v_stage * kTileBytes, v_head, kt);
+        cp_async_mbar_arrive(bar_v_full + 8 * v_stage);
+        if (++v_stage == kVStages) {
+          v_stage = 0;
+          v_parity ^= 1;
         }
       }
     }
@@ -335,12 +380,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t p_buf[2][kBlockN / 16][4];
 
   // S = Q K^T for this warpgroup's 64 rows x 128 keys (8 k-steps over D; Q and K K-major).
-  auto issue_s = [&](float (&s)[64], uint32_t k_slot) {
+  auto issue_s = [&](float (&s)[64], uint32_t q_buf, uint32_t k_slot) {
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t half_k = kk >> 2, col = (kk & 3) * 32;
       const uint64_t da =
-          desc_sw128(s_q + half_k * (kBlockM * 128) + c * (64 * 128) + col, 16, 1024);
+          desc_sw128(q_buf + half_k * (kBlockM * 128) + c * (64 * 128) + col, 16, 1024);
       const uint64_t db = desc_sw128(k_slot + half_k * (kBlockN * 128) + col, 16, 1024);
       wgmma_m64n128k16_ss<T>(s, da, db, kk > 0 ? 1 : 0);
     }
@@ -373,24 +418,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t other_turn = 2 - c;
   if (c == 1) named_bar_arrive(1, 256);  // consumer 0 goes first
 
-  // The K/V ring over all work tiles: slot `stage` of round parity `parity` holds the next tile.
-  int stage = 0;
-  uint32_t parity = 0;
-  uint32_t q_parity = 0;  // (work tiles run) & 1
-  // This warp is done reading Q (persistent: the producer may load the next tile's). The warp's
-  // other lanes have passed their Q wait too (else, with the next two Q phases complete, a lane
-  // still polling this one's parity would wait for a third).
-  auto release_q = [&]() {
-    if (kPersistent) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_q_empty);
-    }
-  };
-  Tile tile;
-  for (int k = 0; get_tile(k, tile); ++k) {
-    if (tile.n_tiles < 0) continue;
+  // The K and V rings over all work tiles: the next K tile is in slot k_stage of round parity
+  // k_parity, the next V tile (V(n - 1) during step n) in v_stage / v_parity.
+  int k_stage = 0, v_stage = 0;
+  uint32_t k_parity = 0, v_parity = 0;
+  for (int j = 0;; ++j) {
+    // Every thread waits for the tile's Q and TileInfo itself.
+    const int b = j % kQBuffers;
+    const uint32_t q_buf = s_q + b * kQBytes;
+    mbar_wait(bar_q_full + 8 * b, (j / kQBuffers) & 1);
+    const TileInfo tile = info[b];
+    if (tile.n_tiles == kEndOfWork) break;
     const int n_tiles = tile.n_tiles;
     n_full = tile.n_full;
+    // This warp is done reading Q buffer b (the producer may load the next tile's into it). The
+    // warp's other lanes have passed their Q wait too (else, with the next two phases of the buffer
+    // complete, a lane still polling this one's parity would wait for a third).
+    auto release_q = [&]() {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
+    };
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       pos[h] = tile.shift + (tile.row0 + c * 64 + warp * 16 + g + 8 * h) / group;
@@ -402,40 +449,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_sum[h] = 0.f;
     }
 
-    // Every thread waits for Q itself (also before the output reuses its space below).
-    mbar_wait(bar_q, q_parity);
-    q_parity ^= 1;
-
     // alpha of the last tile whose softmax ran: o is rescaled by it once the P V before landed.
     float alpha[2] = {1.f, 1.f};
-    int prev_stage = stage;  // slot of V(n - 1)
-    uint32_t prev_parity = parity;
-    int pp_stage = -1;  // slot of V(n - 2), whose P V is the one in flight (-1: none)
-    auto advance = [&]() {
-      prev_stage = stage;
-      prev_parity = parity;
-      if (++stage == kStages) {
-        stage = 0;
-        parity ^= 1;
+    int pp_stage = -1;  // V slot of the P V in flight (-1: none)
+    auto advance_k = [&]() {
+      if (++k_stage == kKStages) {
+        k_stage = 0;
+        k_parity ^= 1;
+      }
+    };
+    auto advance_v = [&]() {
+      if (++v_stage == kVStages) {
+        v_stage = 0;
+        v_parity ^= 1;
       }
     };
     // Tile 0: S(0) alone (o is still zero: nothing to rescale, no P V yet).
     if (n_tiles > 0) {
       named_bar_sync(my_turn, 256);
-      mbar_wait(bar_k_full + 8 * stage, parity);
+      mbar_wait(bar_k_full + 8 * k_stage, k_parity);
       fence_proxy_async();
       float s[64];
       wgmma_fence();
-      issue_s(s, s_k + stage * kTileBytes);
+      issue_s(s, q_buf, s_k + k_stage * kTileBytes);
       wgmma_commit();
       named_bar_arrive(other_turn, 256);
       wgmma_wait<0>();
       fence_regs(s);
-      if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);  // this warp is done with K(0)
+      if (lane == 0) mbar_arrive(bar_k_empty + 8 * k_stage);  // this warp is done with K(0)
       if (n_tiles == 1) release_q();
       softmax(s, 0, alpha);
       pack_p(s, p_buf[0]);
-      advance();
+      advance_k();
     } else {
       release_q();
     }
@@ -455,46 +500,48 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (pp_stage >= 0 && lane == 0) mbar_arrive(bar_v_empty + 8 * pp_stage);
       rescale_rows(o, alpha);
     };
-    // One iteration: p_prev holds P(n-1) (read by this iteration's P V), p_next receives P(n).
+    // One iteration: S(n) on K slot k_stage, P(n-1) V(n-1) on V slot v_stage; p_prev holds P(n-1)
+    // (read by this iteration's P V), p_next receives P(n).
     auto step = [&](int n, uint32_t (&p_prev)[kBlockN / 16][4],
                     uint32_t (&p_next)[kBlockN / 16][4]) {
       named_bar_sync(my_turn, 256);
-      mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);  // issued before K(n): usually landed
+      mbar_wait(bar_v_full + 8 * v_stage, v_parity);  // issued before K(n): usually landed
       retire_pv();
-      mbar_wait(bar_k_full + 8 * stage, parity);
+      mbar_wait(bar_k_full + 8 * k_stage, k_parity);
       fence_proxy_async();
       float s[64];
       fence_regs(o);
       fence_regs(p_prev);
       wgmma_fence();  // o and p_prev were written by ordinary instructions
-      issue_s(s, s_k + stage * kTileBytes);
+      issue_s(s, q_buf, s_k + k_stage * kTileBytes);
       wgmma_commit();
-      issue_pv(p_prev, s_v + prev_stage * kTileBytes);
+      issue_pv(p_prev, s_v + v_stage * kTileBytes);
       wgmma_commit();
       named_bar_arrive(other_turn, 256);  // the other consumer may issue now
-      wgmma_wait<1>();  // S(n) is done; P V may still run
+      wgmma_wait<1>();                    // S(n) is done; P V may still run
       fence_regs(s);
-      if (lane == 0) mbar_arrive(bar_k_empty + 8 * stage);
+      if (lane == 0) mbar_arrive(bar_k_empty + 8 * k_stage);
       if (n == n_tiles - 1) release_q();
       softmax(s, n, alpha);
       pack_p(s, p_next);  // into the buffer P V is not reading
-      pp_stage = prev_stage;
-      advance();
+      pp_stage = v_stage;
+      advance_k();
+      advance_v();
     };
     // The last tile's P V (outside the ping-pong: nothing follows it).
     auto last_pv = [&](uint32_t (&p_last)[kBlockN / 16][4]) {
-      mbar_wait(bar_v_full + 8 * prev_stage, prev_parity);
+      mbar_wait(bar_v_full + 8 * v_stage, v_parity);
       retire_pv();
       fence_proxy_async();
       fence_regs(o);
       fence_regs(p_last);
       wgmma_fence();
-      issue_pv(p_last, s_v + prev_stage * kTileBytes);
+      issue_pv(p_last, s_v + v_stage * kTileBytes);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
-      // The one-tile kernels never refill this slot; the persistent one does.
-      if (kPersistent && lane == 0) mbar_arrive(bar_v_empty + 8 * prev_stage);
+      if (lane == 0) mbar_arrive(bar_v_empty + 8 * v_stage);
+      advance_v();
     };
     // Unrolled by two so that each P buffer is a fixed set of registers: P(n) is in p_buf[n % 2].
     for (int n = 1; n_tiles > 0; n += 2) {
@@ -512,47 +559,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float inv[2];
     inverse_row_sums(row_sum, inv);
-
+    // Straight from the registers (shared memory holds the next tile's Q and K / V): each store
+    // writes 4 bytes of a row; a warp's store covers 16 bytes of each of 8 rows.
     T* out = static_cast<T*>(p.out);
-    if (kPersistent) {
-      // Straight from the registers: Q's shared memory may already hold the next tile's Q. Each
-      // store writes 4 bytes of a row; a warp's store covers 16 bytes of each of 8 rows.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int pr = tile.row0 + c * 64 + warp * 16 + g + 8 * h;
-        if (pr < tile.rows) {
-          T* dst = out + packed_row_offset(p, tile.q_start, tile.kv_head, group, pr) + 2 * t4;
+    for (int h = 0; h < 2; ++h) {
+      const int pr = tile.row0 + c * 64 + warp * 16 + g + 8 * h;
+      if (pr < tile.rows) {
+        T* dst = out + packed_row_offset(p, tile.q_start, tile.kv_head, group, pr) + 2 * t4;
 #pragma unroll
-          for (int j = 0; j < kHeadDim / 8; ++j)
-            *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-                pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
-        }
+        for (int jj = 0; jj < kHeadDim / 8; ++jj)
+          *reinterpret_cast<uint32_t*>(dst + 8 * jj) =
+              pack2<T>(o[4 * jj + 2 * h] * inv[h], o[4 * jj + 2 * h + 1] * inv[h]);
       }
-      continue;
-    }
-    // Stage the output in this warpgroup's own Q rows (same swizzled layout, so the writes are
-    // conflict-free): every warp of the warpgroup must be done with its wgmmas, which read those
-    // rows through the async proxy. The other consumer never touches them.
-    named_bar_sync(3 + c, 128);
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = c * 64 + warp * 16 + g + 8 * h;
-        *reinterpret_cast<uint32_t*>(smem + gmma_offset(r, j, kBlockM) + 4 * t4) =
-            pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
-      }
-    }
-    __syncwarp();  // each warp reads back only the 16 rows it wrote
-#pragma unroll
-    for (int i = 0; i < 16 * 16 / 32; ++i) {
-      const int idx = i * 32 + lane;
-      const int r = c * 64 + warp * 16 + (idx >> 4);
-      const int chunk = idx & 15;
-      const int pr = tile.row0 + r;
-      if (pr < tile.rows)
-        store_out_chunk(p, out, tile.q_start, tile.kv_head, group, pr, chunk,
-                        [&] { return smem + gmma_offset(r, chunk, kBlockM); });
     }
   }
   // Consumer 0's empty last turn: it consumes consumer 1's grant after its last turn.
@@ -578,6 +597,7 @@ cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStre
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
   auto kernel = prefill_ws_kernel<T, kPersistent>;
+  constexpr int kSmemBytes = Buffers<kPersistent>::kSmemBytes;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;

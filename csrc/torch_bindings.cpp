@@ -216,8 +216,8 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
   check_launch(qwen3_kernels::paged_attention_prefill(
                    out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                    cu_seqlens_q.data_ptr<int32_t>(), seq_lens_k.data_ptr<int32_t>(),
-                   block_tables.data_ptr<int32_t>(), static_cast<int>(b),
-                   static_cast<int>(max_seqlen_q), static_cast<int>(q.size(1)),
+                   block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(0)),
+                   static_cast<int>(b), static_cast<int>(max_seqlen_q), static_cast<int>(q.size(1)),
                    static_cast<int>(k_cache.size(2)), static_cast<int>(q.size(2)),
                    static_cast<int>(k_cache.size(1)), static_cast<int>(block_tables.size(1)),
                    static_cast<float>(scale), dt, kv_cache(k_cache, k_scale, v_scale),

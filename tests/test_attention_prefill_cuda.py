@@ -14,7 +14,8 @@ On Hopper the op runs the warp-specialised wgmma kernel (prefill_sm90_ws.cu): pe
 per SM walks the work tiles) up to 8192 queries a sequence, one CTA per work tile above; elsewhere
 the portable mma.sync kernel (prefill.cu). The `grid` fixture runs each test on both grids: the
 one-tile grid by passing a max_seqlen_q above 8192, which only sizes the grid (the extra M blocks
-are empty).
+are empty). The wgmma kernel loads Q with TMA where the GQA group is a power of two and with
+cp.async otherwise: GQA below has both (group 5 for the second).
 """
 from __future__ import annotations
 

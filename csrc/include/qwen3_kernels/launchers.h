@@ -102,6 +102,7 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
                                     const int32_t* cu_seqlens_q,  // [B + 1]
                                     const int32_t* seq_lens_k,    // [B]
                                     const int32_t* block_tables,  // [B, max_blocks]
+                                    int num_tokens,               // Tq
                                     int batch, int max_seqlen_q, int num_q_heads,
                                     int num_kv_heads, int head_dim, int block_size,
                                     int max_blocks, float scale, DType dtype, KvCache kv,

@@ -1,7 +1,7 @@
 // Warp-level PTX wrappers shared by the tensor-core attention kernels (decode.cu, prefill.cu,
 // prefill_sm90_ws.cu): cp.async 16-byte copies, ldmatrix, mma.sync m16n8k16 (sm_80+), packing;
-// and, below, the sm_90a wrappers (wgmma, mbarriers, named barriers, setmaxnreg): the only ones in
-// csrc (the CUTLASS GEMMs issue their own).
+// and, below, the sm_90a wrappers (wgmma, mbarriers, TMA, named barriers, setmaxnreg): the only
+// ones in csrc (the CUTLASS GEMMs issue their own).
 #pragma once
 
 #include "qwen3_kernels/common.cuh"
@@ -212,6 +212,23 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // arrival is one of the count given to mbar_init (the thread makes no other arrival).
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// An arrival on `bar` that also expects `bytes` more transaction bytes (the TMA copies below):
+// the phase completes once every arrival and every expected byte has come.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// TMA: the box of the 3-D tensor map at coordinates (c0, c1, c2), innermost first, into shared
+// memory at dst (laid out and swizzled as the map says); its bytes count on `bar`. The map must be
+// a __grid_constant__ kernel parameter (or in global / constant memory).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;

@@ -328,7 +328,7 @@ cudaError_t launch_prefill(const PrefillParams& p, int batch, int max_seqlen_q,
 cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cache,
                                     const void* v_cache, const int32_t* cu_seqlens_q,
                                     const int32_t* seq_lens_k, const int32_t* block_tables,
-                                    int batch, int max_seqlen_q, int num_q_heads,
+                                    int num_tokens, int batch, int max_seqlen_q, int num_q_heads,
                                     int num_kv_heads, int head_dim, int block_size,
                                     int max_blocks, float scale, DType dtype, KvCache kv,
                                     cudaStream_t stream) {
@@ -338,8 +338,9 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
     return cudaErrorInvalidValue;
   if (block_size < 16 || block_size > 256 || (block_size & (block_size - 1)) != 0)
     return cudaErrorInvalidValue;
-  if (batch < 0 || max_seqlen_q < 0 || max_blocks < 0) return cudaErrorInvalidValue;
-  if (batch == 0 || max_seqlen_q == 0) return cudaSuccess;
+  if (num_tokens < 0 || batch < 0 || max_seqlen_q < 0 || max_blocks < 0)
+    return cudaErrorInvalidValue;
+  if (num_tokens == 0 || batch == 0 || max_seqlen_q == 0) return cudaSuccess;
   if (batch > 65535) return cudaErrorInvalidConfiguration;  // grid.z limit
 
   PrefillParams p;
@@ -365,7 +366,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   // Elsewhere (sm_80 .. sm_89), and for an fp8 cache on every device: this file's mma.sync kernel.
   constexpr int kPersistentMaxSeqlenQ = 8192;
   if (!kv.fp8 && prefill::sm90_available())
-    return prefill::launch_sm90_ws(p, batch, max_seqlen_q, dtype,
+    return prefill::launch_sm90_ws(p, num_tokens, batch, max_seqlen_q, dtype,
                                    max_seqlen_q <= kPersistentMaxSeqlenQ, stream);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     return kv.fp8 ? launch_prefill<T, uint8_t>(p, batch, max_seqlen_q, stream)

@@ -159,8 +159,8 @@ __device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha
 // launch_sm90_ws() returns cudaErrorNotSupported otherwise. persistent: one CTA per SM walking
 // the work tiles, else one CTA per work tile.
 bool sm90_available();
-cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
-                           bool persistent, cudaStream_t stream);
+cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, int max_seqlen_q,
+                           DType dtype, bool persistent, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace qwen3_kernels

@@ -30,13 +30,16 @@
 //     (reading the sequence bounds from global memory). For each non-empty tile it publishes the
 //     tile (a TileInfo in shared memory) and its Q in the next Q buffer (round robin), then
 //     copies K(0), V(0), K(1), ... into the rings, then the next tile; past the last it publishes
-//     an end marker. All copies are 16-byte cp.async (each key row's address goes through the
-//     block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async also zero-fills
-//     keys past the sequence, which keeps a stale NaN slot out of P V). A thread signals "full"
-//     with cp.async.mbarrier.arrive.noinc: the barrier (count 128) completes when every producer
-//     thread's copies have landed; a Q buffer's barrier counts 129, the last arrival being thread
-//     0's plain (release) arrive after it wrote the TileInfo. Before refilling a slot or a Q
-//     buffer it waits on its "empty" barrier (count 8: one arrival per consumer warp).
+//     an end marker. Q: two TMA copies issued by thread 0 (a box per half of D; encode_q_map), or
+//     where a box cannot hold an M block (group not a power of two: Qwen3-14B's 40 / 8) 16-byte
+//     cp.async by all 128 threads. K / V: always cp.async (each key row's address goes through
+//     the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async also
+//     zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
+//     signals "full" with cp.async.mbarrier.arrive.noinc: a ring slot's barrier (count 128)
+//     completes when every producer thread's copies have landed. A Q buffer's barrier completes on
+//     thread 0's arrive, made after it wrote the TileInfo (release), with the TMA copies' bytes
+//     expected on it (count 1), or with the 128 cp.async arrivals (count 129). Before refilling a
+//     slot or a Q buffer it waits on its "empty" barrier (count 8: one arrival per consumer warp).
 //   WG 1, 2, consumers (setmaxnreg up to 232): 64 rows each, without any load or CTA barrier:
 //     wait for the next Q buffer, read its TileInfo (end marker: done), then iteration n issues
 //     S(n) = Q K(n)^T and P(n-1) V(n-1), waits for S(n) only and runs the softmax of tile n while
@@ -49,11 +52,16 @@
 // sequence bounds). A clock64 profile of the one-buffer kernel (H200, 8 x 2k causal) put ~2,700
 // cycles a work tile in the consumers' wait for Q and ~2,400 in their tile computation, next to
 // ~3,200 a key tile; the two buffers cost the K ring its third slot (the V ring keeps three: a V
-// slot is held one iteration longer than a K slot, from P V's issue to its retirement).
+// slot is held one iteration longer than a K slot, from P V's issue to its retirement). Why TMA
+// for Q: the producer's cp.async copies of a Q tile queued behind the K / V copies in flight,
+// ~7,000 cycles from the first issue to the last byte, and the consumers still waited ~4,000
+// cycles a work tile for their Q; TMA copies (one thread, two instructions) landed in time:
+// the wait fell to ~1,000 (same profile).
 //
 // mbarrier phases: ring slot s of round r (r = tiles through the ring / depth) is waited "full"
 // with parity r & 1 by the consumers and "empty" with parity (r & 1) ^ 1 by the producer, which a
-// fresh barrier satisfies at once for r = 0; Q buffer b = j % 2 is in round j / 2 the same way.
+// fresh barrier satisfies at once for r = 0; Q buffer b = j % kQBuffers (j: tiles published) is
+// in round j / kQBuffers the same way.
 // K and V rings run on across work tiles with their own slot counters. cp.async writes through
 // the generic proxy and wgmma reads through the async proxy, so each consumer issues
 // fence.proxy.async after its full-waits (a writer-side fence is impossible: the producer never
@@ -70,19 +78,27 @@
 //     sequence) in a fixed order (persistent_tile); the next tile's Q lands while the consumers
 //     finish the current one.
 //
-// Measured (H200, scratch harness on branch experiment/prefill-sm90-q-buffers: this kernel against
-// the one-Q-buffer K3/V3 kernel it replaced, same inputs, alternating, us; causal Hq/Hkv 32/8):
-//   4k 259.2 -> 254.4 | 4k 16/8 132.7 -> 131.1 | 8 x 2k 618.5 -> 605.9 | 4k bs 16 328.4 -> 313.4 |
-//   8 x 2k bs 16 756.5 -> 723.3 | 16 x 1k 408.5 -> 402.0 | 64 x 256 251.4 -> 239.1 |
-//   24 x 100..1024 288.2 -> 281.5 | prefix Lq 2048 Lk 8k 408.2 -> 399.7 |
-//   prefix Lq 512 Lk 16k 239.6 -> 235.0
-//   (16k one-tile: within the run-to-run spread of the long shape, 3.9-4.0 ms both).
+// Measured (H200, scratch harness on branch experiment/prefill-sm90-q-buffers, same inputs,
+// alternating, us; causal Hq/Hkv 32/8 but where noted): the one-Q-buffer K3/V3 kernel -> two Q
+// buffers with cp.async Q -> two Q buffers with TMA Q (this kernel):
+//   4k 259.2 -> 254.4 -> 243.2 | 4k 16/8 132.7 -> 131.1 -> 123.6 | 8 x 2k 618.5 -> 605.9 -> 564.7 |
+//   4k bs 16 328.4 -> 313.4 -> 294.5 | 8 x 2k bs 16 756.5 -> 723.3 -> 659.5 |
+//   16 x 1k 408.5 -> 402.0 -> 349.3 | 64 x 256 251.4 -> 239.1 -> 185.4 |
+//   24 x 100..1024 288.2 -> 281.5 -> 236.5 | prefix Lq 2048 Lk 8k 408.2 -> 399.7 -> 399.4 |
+//   prefix Lq 512 Lk 16k 239.6 -> 235.0 -> 226.5 (TMA and cp.async Q give the same bits).
+//   The one-tile grid (16k) was within the run-to-run spread of the long shape (3.9-4.0 ms).
 // Variants that lost: K ring 3 / V ring 2 with two Q buffers (0.80-0.95x on every shape but
-// 64 x 256); in the one-buffer kernel: each consumer's 64 Q rows with barriers of their own,
+// 64 x 256); the next tile's Q published after the current tile's first K / V (cp.async Q: the
+// producer spills at 40 registers, and at 72 / 216 the consumers slow down: 0.65-0.94x); in the
+// one-buffer kernel: each consumer's 64 Q rows with barriers of their own,
 // the producer's K(0) / V(0) ahead of the next Q, an L2 prefetch of the next tile's Q, the
 // (sequence, kv head) pairs in L2-sized sections (hit rate 47% -> 85% at 8 x 2k, 3-13% slower):
 // 0.87-1.03x. Older variants (branch experiment/prefill-sm90-variants): a single-role kernel,
 // 2-stage rings, no ping-pong.
+#include <cuda.h>  // CUtensorMap (the map is encoded through the runtime's driver entry point)
+#include <cudaTypedefs.h>
+
+#include <mutex>
 #include <type_traits>
 
 #include "prefill_common.cuh"
@@ -172,10 +188,12 @@ constexpr int kEndOfWork = -2;
 
 // One-tile grid (Hkv, m_blocks, B): the CTA's list is its one work tile (M blocks in reverse:
 // longest rows first). Persistent (kPersistent): grid (min(tiles, SMs)), tiles from
-// persistent_tile.
-template <typename T, bool kPersistent>
+// persistent_tile. kTmaQ: thread 0 loads each Q tile with two TMA copies through q_map (see
+// encode_q_map); else all producer threads copy it with cp.async (q_map unused).
+template <typename T, bool kPersistent, bool kTmaQ>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_ws_kernel(const PrefillParams p, int m_blocks, int batch) {
+    prefill_ws_kernel(const PrefillParams p, const __grid_constant__ CUtensorMap q_map,
+                      int m_blocks, int batch) {
 #if defined(QWEN3_PREFILL_WS)
   using namespace sm90;
   constexpr int kQBuffers = Buffers<kPersistent>::kQ;
@@ -209,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
 #pragma unroll
     for (int b = 0; b < kQBuffers; ++b) {
-      mbar_init(bar_q_full + 8 * b, 129);  // 128 cp.async-tracked arrivals + thread 0's info
+      // TMA: thread 0's arrive.expect_tx (after its TileInfo) and the copies' bytes; cp.async:
+      // 128 cp.async-tracked arrivals and thread 0's plain one after its TileInfo.
+      mbar_init(bar_q_full + 8 * b, kTmaQ ? 1 : 129);
       mbar_init(bar_q_empty + 8 * b, 8);   // one arrival per consumer warp
     }
 #pragma unroll
@@ -277,15 +297,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       ++j;
       if (tid == 0) info[b] = t;
       if (!more) {
-        mbar_arrive(bar_q_full + 8 * b);  // 128 plain arrivals + thread 0's below
+        if (!kTmaQ) mbar_arrive(bar_q_full + 8 * b);  // 128 plain arrivals + thread 0's below
         if (tid == 0) mbar_arrive(bar_q_full + 8 * b);
         break;
       }
-      load_q_tile<T, kBlockM, 8, 4>(p, s_q + b * kQBytes, t.q_start, t.kv_head, group, t.row0,
-                                    t.rows, ld_row, ld_chunk,
-                                    [&](int r) { return gmma_offset(r, ld_chunk, kBlockM); });
-      cp_async_mbar_arrive(bar_q_full + 8 * b);
-      if (tid == 0) mbar_arrive(bar_q_full + 8 * b);  // releases the info written above
+      if (kTmaQ) {
+        // One box per half of D: the M block's 128 / group tokens x group heads are its packed
+        // rows in order; rows past the sequence hold the next one's tokens (their outputs are
+        // never stored), rows past Tq are zero-filled.
+        if (tid == 0) {
+          const uint32_t bar = bar_q_full + 8 * b;
+          mbar_arrive_expect_tx(bar, kQBytes);  // also releases the info written above
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            tma_load_3d(s_q + b * kQBytes + half * (kBlockM * 128), &q_map, half * 64,
+                        t.kv_head * group, t.q_start + t.row0 / group, bar);
+        }
+      } else {
+        load_q_tile<T, kBlockM, 8, 4>(p, s_q + b * kQBytes, t.q_start, t.kv_head, group, t.row0,
+                                      t.rows, ld_row, ld_chunk,
+                                      [&](int r) { return gmma_offset(r, ld_chunk, kBlockM); });
+        cp_async_mbar_arrive(bar_q_full + 8 * b);
+        if (tid == 0) mbar_arrive(bar_q_full + 8 * b);  // releases the info written above
+      }
 
       const T* k_head = static_cast<const T*>(p.k_cache) + t.kv_head * kHeadDim + ld_chunk * 8;
       const T* v_head = static_cast<const T*>(p.v_cache) + t.kv_head * kHeadDim + ld_chunk * 8;
@@ -592,11 +626,52 @@ int num_sms() {
   return n;
 }
 
-template <typename T, bool kPersistent>
-cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStream_t stream) {
+// Q [Tq, Hq, D] as a 3-D TMA tensor (D, Hq, Tq) whose box (64 dims, group heads, 128 / group
+// tokens) is half of an M block's packed rows, stored with the 128-byte swizzle the wgmma
+// descriptors expect. False where an M block is not one box (group not a power of two up to 128)
+// or the map cannot be made (q not 16-byte aligned, no driver entry point): the kernel then copies
+// Q with cp.async. Why TMA: the producer's cp.async copies of a Q tile queued behind the K / V
+// copies already in flight, ~7,000 cycles from issue to the last byte (clock64 profile, H200), and
+// the consumers waited ~4,000 cycles a work tile for it; a TMA copy takes its own path.
+bool encode_q_map(const PrefillParams& p, int num_tokens, DType dtype, CUtensorMap* map) {
+  const int group = p.group;
+  if (group > kBlockM || (group & (group - 1)) != 0 || num_tokens <= 0) return false;
+  if ((reinterpret_cast<uintptr_t>(p.q) & 15) != 0) return false;
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    else
+      (void)cudaGetLastError();
+  });
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {kHeadDim, static_cast<cuuint64_t>(p.num_q_heads),
+                              static_cast<cuuint64_t>(num_tokens)};
+  const cuuint64_t strides[2] = {kHeadDim * 2,
+                                 static_cast<cuuint64_t>(p.num_q_heads) * kHeadDim * 2};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(group),
+                             static_cast<cuuint32_t>(kBlockM / group)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map,
+                dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                         : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                3, const_cast<void*>(p.q), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, bool kPersistent, bool kTmaQ>
+cudaError_t launch(const PrefillParams& p, const CUtensorMap& q_map, int batch, int max_seqlen_q,
+                   cudaStream_t stream) {
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
-  auto kernel = prefill_ws_kernel<T, kPersistent>;
+  auto kernel = prefill_ws_kernel<T, kPersistent, kTmaQ>;
   constexpr int kSmemBytes = Buffers<kPersistent>::kSmemBytes;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
@@ -610,7 +685,7 @@ cudaError_t launch(const PrefillParams& p, int batch, int max_seqlen_q, cudaStre
     grid = dim3((unsigned)(tiles < sms ? tiles : sms));
     if (tiles == 0) return cudaSuccess;
   }
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, (int)m_blocks, batch);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, q_map, (int)m_blocks, batch);
   return cudaGetLastError();
 }
 
@@ -624,19 +699,25 @@ bool sm90_available() {
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
   if (dev >= 0 && dev < 64 && cached[dev] != 0) return cached[dev] == 1;
   cudaFuncAttributes attr;
-  bool ok = cudaFuncGetAttributes(&attr, prefill_ws_kernel<__nv_bfloat16, false>) == cudaSuccess &&
-            attr.binaryVersion == 90;
+  bool ok =
+      cudaFuncGetAttributes(&attr, prefill_ws_kernel<__nv_bfloat16, false, false>) == cudaSuccess &&
+      attr.binaryVersion == 90;
   if (!ok) (void)cudaGetLastError();  // clear a "no kernel image" error; we just fall back
   if (dev >= 0 && dev < 64) cached[dev] = ok ? 1 : 2;
   return ok;
 }
 
-cudaError_t launch_sm90_ws(const PrefillParams& p, int batch, int max_seqlen_q, DType dtype,
-                           bool persistent, cudaStream_t stream) {
+cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, int max_seqlen_q,
+                           DType dtype, bool persistent, cudaStream_t stream) {
   if (!sm90_available()) return cudaErrorNotSupported;
+  CUtensorMap q_map = {};
+  const bool tma_q = encode_q_map(p, num_tokens, dtype, &q_map);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
-    return persistent ? launch<T, true>(p, batch, max_seqlen_q, stream)
-                      : launch<T, false>(p, batch, max_seqlen_q, stream);
+    if (tma_q)
+      return persistent ? launch<T, true, true>(p, q_map, batch, max_seqlen_q, stream)
+                        : launch<T, false, true>(p, q_map, batch, max_seqlen_q, stream);
+    return persistent ? launch<T, true, false>(p, q_map, batch, max_seqlen_q, stream)
+                      : launch<T, false, false>(p, q_map, batch, max_seqlen_q, stream);
   });
 }
 

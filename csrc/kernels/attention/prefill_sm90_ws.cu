@@ -43,7 +43,8 @@
 //   WG 1, 2, consumers (setmaxnreg up to 232): 64 rows each, without any load or CTA barrier:
 //     wait for the next Q buffer, read its TileInfo (end marker: done), then iteration n issues
 //     S(n) = Q K(n)^T and P(n-1) V(n-1), waits for S(n) only and runs the softmax of tile n while
-//     P V runs (intra-warpgroup overlap); the output goes from registers to global memory.
+//     P V runs (intra-warpgroup overlap); the output goes out through the warp's rows of the
+//     finished Q buffer (16-byte stores of whole rows), which then returns to the producer.
 //   Ping-pong: the two consumers take turns issuing their GEMMs (named barriers 1 and 2), so one
 //     warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
 // Why two Q buffers and the producer's TileInfo: with one Q buffer the producer could load the
@@ -87,11 +88,14 @@
 //   24 x 100..1024 288.2 -> 281.5 -> 236.5 | prefix Lq 2048 Lk 8k 408.2 -> 399.7 -> 399.4 |
 //   prefix Lq 512 Lk 16k 239.6 -> 235.0 -> 226.5 (TMA and cp.async Q give the same bits).
 //   The one-tile grid (16k) was within the run-to-run spread of the long shape (3.9-4.0 ms).
-// Variants that lost: K ring 3 / V ring 2 with two Q buffers (0.80-0.95x on every shape but
-// 64 x 256); the next tile's Q published after the current tile's first K / V (cp.async Q: the
-// producer spills at 40 registers, and at 72 / 216 the consumers slow down: 0.65-0.94x); in the
-// one-buffer kernel: each consumer's 64 Q rows with barriers of their own,
-// the producer's K(0) / V(0) ahead of the next Q, an L2 prefetch of the next tile's Q, the
+// Variants that lost: the tile boundary as an ordinary step (the next tile's S(0) issued with the
+// last P V; branch experiment/prefill-sm90-tile-close): 0.77-0.97x but on prefix chunks
+// (1.01-1.04x), as the consumers then wait at the boundary for the next tile's K(0), which the
+// producer issues only about one step ahead (K ring of 2); K ring 3 / V ring 2 with two Q buffers
+// (0.80-0.95x on every shape but 64 x 256); the next tile's Q published after the current tile's
+// first K / V (cp.async Q: the producer spills at 40 registers, and at 72 / 216 the consumers slow
+// down: 0.65-0.94x); in the one-buffer kernel: each consumer's 64 Q rows with barriers of their
+// own, the producer's K(0) / V(0) ahead of the next Q, an L2 prefetch of the next tile's Q, the
 // (sequence, kv head) pairs in L2-sized sections (hit rate 47% -> 85% at 8 x 2k, 3-13% slower):
 // 0.87-1.03x. Older variants (branch experiment/prefill-sm90-variants): a single-role kernel,
 // 2-stage rings, no ping-pong.
@@ -209,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   TileInfo* info = reinterpret_cast<TileInfo*>(smem + (s_info - s_q));
   const uint32_t s_bar = s_info + kQBuffers * kInfoBytes;    // 8-byte mbarriers:
   const uint32_t bar_q_full = s_bar;                         //   [kQBuffers] Q + info landed
-  const uint32_t bar_q_empty = bar_q_full + 8 * kQBuffers;   //   [kQBuffers] Q read by 8 warps
+  const uint32_t bar_q_empty = bar_q_full + 8 * kQBuffers;   //   [kQBuffers] Q done by 8 warps
   const uint32_t bar_k_full = bar_q_empty + 8 * kQBuffers;   //   [kKStages]
   const uint32_t bar_k_empty = bar_k_full + 8 * kKStages;    //   [kKStages] read by 8 warps
   const uint32_t bar_v_full = bar_k_empty + 8 * kKStages;    //   [kVStages]
@@ -291,7 +295,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         t.n_tiles = kEndOfWork;
       }
-      // Q buffer b is free once every consumer warp has run its last S of tile j - kQBuffers.
+      // Q buffer b is free once every consumer warp has stored its output of tile j - kQBuffers
+      // through it.
       const int b = j % kQBuffers;
       mbar_wait<true>(bar_q_empty + 8 * b, ((j / kQBuffers) & 1) ^ 1);
       ++j;
@@ -465,13 +470,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tile.n_tiles == kEndOfWork) break;
     const int n_tiles = tile.n_tiles;
     n_full = tile.n_full;
-    // This warp is done reading Q buffer b (the producer may load the next tile's into it). The
-    // warp's other lanes have passed their Q wait too (else, with the next two phases of the buffer
-    // complete, a lane still polling this one's parity would wait for a third).
-    auto release_q = [&]() {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
-    };
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       pos[h] = tile.shift + (tile.row0 + c * 64 + warp * 16 + g + 8 * h) / group;
@@ -511,12 +509,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_regs(s);
       if (lane == 0) mbar_arrive(bar_k_empty + 8 * k_stage);  // this warp is done with K(0)
-      if (n_tiles == 1) release_q();
       softmax(s, 0, alpha);
       pack_p(s, p_buf[0]);
       advance_k();
-    } else {
-      release_q();
     }
 
     // Iteration n waits for P(n-2) V(n-2) and rescales o by tile n-1's alpha, issues
@@ -555,7 +550,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<1>();                    // S(n) is done; P V may still run
       fence_regs(s);
       if (lane == 0) mbar_arrive(bar_k_empty + 8 * k_stage);
-      if (n == n_tiles - 1) release_q();
       softmax(s, n, alpha);
       pack_p(s, p_next);  // into the buffer P V is not reading
       pp_stage = v_stage;
@@ -593,20 +587,43 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float inv[2];
     inverse_row_sums(row_sum, inv);
-    // Straight from the registers (shared memory holds the next tile's Q and K / V): each store
-    // writes 4 bytes of a row; a warp's store covers 16 bytes of each of 8 rows.
-    T* out = static_cast<T*>(p.out);
+    // The output goes out through this warp's 16 rows of Q buffer b (rows it alone reads: the
+    // warpgroup's last S has completed, and the other consumer reads its own 64 rows): each lane
+    // writes its 4-byte pairs into the swizzled rows (one bank per lane), then each half-warp
+    // stores a whole 256-byte row with 16-byte stores. From the registers each store wrote 4
+    // bytes of 8 rows, half a 32-byte sector of each: H200, same inputs and bits, alternating,
+    // staged / from registers: 64 x 256 1.07-1.08x, 14B 4 x 1000 (40/8) 1.08x, 4k bs 16 1.04x,
+    // 16 x 1k 1.02-1.03x, mix 100..1024 1.01-1.02x, 8 x 2k 1.01x, 4k 1.00x, prefix Lq 512 /
+    // Lk 16k 0.98x.
+    const int row_base = c * 64 + warp * 16;  // this warp's first row of the Q buffer
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int pr = tile.row0 + c * 64 + warp * 16 + g + 8 * h;
-      if (pr < tile.rows) {
-        T* dst = out + packed_row_offset(p, tile.q_start, tile.kv_head, group, pr) + 2 * t4;
 #pragma unroll
-        for (int jj = 0; jj < kHeadDim / 8; ++jj)
-          *reinterpret_cast<uint32_t*>(dst + 8 * jj) =
-              pack2<T>(o[4 * jj + 2 * h] * inv[h], o[4 * jj + 2 * h + 1] * inv[h]);
-      }
+      for (int jj = 0; jj < kHeadDim / 8; ++jj)
+        *reinterpret_cast<uint32_t*>(smem + (q_buf - s_q) +
+                                     gmma_offset(row_base + g + 8 * h, jj, kBlockM) + 4 * t4) =
+            pack2<T>(o[4 * jj + 2 * h] * inv[h], o[4 * jj + 2 * h + 1] * inv[h]);
     }
+    __syncwarp();
+    T* out = static_cast<T*>(p.out);
+    const int chunk = lane & 15;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = row_base + 2 * i + (lane >> 4);
+      const int pr = tile.row0 + r;
+      const uint4 v =
+          *reinterpret_cast<const uint4*>(smem + (q_buf - s_q) + gmma_offset(r, chunk, kBlockM));
+      if (pr < tile.rows)
+        *reinterpret_cast<uint4*>(
+            out + packed_row_offset(p, tile.q_start, tile.kv_head, group, pr) + chunk * 8) = v;
+    }
+    // This warp is done with Q buffer b: the producer may load a later tile's Q into it (by TMA:
+    // the async proxy, hence the fence after these generic accesses). The warp's lanes have all
+    // passed their Q wait (else, with the next two phases of the buffer complete, a lane still
+    // polling this one's parity would wait for a third).
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
   }
   // Consumer 0's empty last turn: it consumes consumer 1's grant after its last turn.
   if (c == 0) named_bar_sync(1, 256);

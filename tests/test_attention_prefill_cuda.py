@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import qwen3_kernels.ops as ops
 import qwen3_kernels.reference as ref
-from tests.helpers import rel_err, requires_cuda
+from tests.helpers import misaligned, rel_err, requires_cuda
 
 D = 128
 EPS = 1e-5
@@ -327,8 +327,57 @@ def test_prefill_in_chunks_matches_one_shot(dtype, block_size, grid):
         outs.append(out)
         start += n
     assert start == total
-    # Per row the kernel does the same work either way (fully masked tiles add exact zeros).
-    assert rel_err(torch.cat(outs), one_shot) <= 1e-3
+    # Per row the kernel does the same work either way (a tile the row sees nothing of adds
+    # exact zeros and rescales by exactly 1): the same bits.
+    assert torch.equal(torch.cat(outs), one_shot)
+
+
+def _queries(case, picks):
+    """A call of (sequence b, first query i, count n) picks of `case` as sequences of their own:
+    query i of sequence b sits at its position there, with the keys up to the last pick's."""
+    step = Case.__new__(Case)
+    step.__dict__.update(case.__dict__)
+    starts = case.cu_seqlens_q.tolist()
+    rows, seqs, tables = [], [], []
+    for b, i, n in picks:
+        lq, lk = case.seqs[b]
+        rows.append(torch.arange(starts[b] + i, starts[b] + i + n))
+        seqs.append((n, lk - lq + i + n))
+        tables.append(case.block_tables[b])
+    dev = case.q.device
+    step.q = case.q[torch.cat(rows).to(dev)].contiguous()
+    step.seqs = seqs
+    step.block_tables = torch.stack(tables).contiguous()
+    step.cu_seqlens_q = torch.tensor([0] + torch.tensor([n for n, _ in seqs]).cumsum(0).tolist(),
+                                     dtype=torch.int32, device=dev)
+    step.seq_lens_k = torch.tensor([k for _, k in seqs], dtype=torch.int32, device=dev)
+    step.max_seqlen_q = max(n for n, _ in seqs)
+    return step
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_query_bits_depend_on_its_sequence_only(dtype, grid):
+    """A query's output bits are the same alone, in a batch, in any chunk, and as a one-query
+    (decode-shaped) sequence at its position: each row's sums run over the same 128-key tiles in
+    the same order whatever shares its M block (what a batch-invariant mode can build on)."""
+    seqs = [(1000, 1000), (300, 300), (777, 2500)]
+    case = Case(seqs, 32, 8, 64, dtype, seed=9, poison=False).cuda()
+    batch = run_ours(case)
+    check_against_reference(case, batch)
+    rows = torch.split(batch, [lq for lq, _ in seqs])
+    for b, (lq, _) in enumerate(seqs):
+        assert torch.equal(run_ours(_queries(case, [(b, 0, lq)])), rows[b]), f"seq {b} alone"
+        # chunks of 97 queries, two sequences' chunks in each call
+        for i in range(0, lq, 97):
+            n = min(97, lq - i)
+            other = (b + 1) % len(seqs)
+            got = run_ours(_queries(case, [(other, 0, 50), (b, i, n)]))
+            assert torch.equal(got[50:], rows[b][i:i + n]), f"seq {b} chunk at {i}"
+        # the last 9 queries as one-query sequences, in one call
+        last = list(range(lq - 9, lq))
+        got = run_ours(_queries(case, [(b, i, 1) for i in last]))
+        assert torch.equal(got, rows[b][last]), f"seq {b} decode-shaped"
 
 
 @requires_cuda
@@ -349,6 +398,29 @@ def test_prefill_head_dim_64_uses_reference():
     with pytest.raises(RuntimeError, match="paged_attention_prefill: CUDA launch failed"):
         torch.ops.qwen3_kernels.paged_attention_prefill(
             torch.empty_like(q), q, k_cache, v_cache, cu, lens, tables, 20, 0.125)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "out"])
+def test_prefill_refuses_misaligned_tensors(name):
+    """A contiguous view at an odd offset would reach 16-byte cp.async / TMA accesses (a fault:
+    a sticky error for the whole process): refused by the op and by the launcher, nothing
+    written, and the next call still runs."""
+    case = Case([(17, 40), (64, 64)], 16, 8, 16, torch.bfloat16, seed=1, poison=False).cuda()
+    out = torch.full_like(case.q, float("nan"))
+    if name == "out":
+        out = misaligned(out)
+    else:
+        setattr(case, name, misaligned(getattr(case, name)))
+    with pytest.raises(ValueError, match=f"{name} is a view at an odd offset"):
+        ops.paged_attention_prefill(*case.args(), case.max_seqlen_q, case.scale, out=out)
+    # the raw op (unchecked, and what a torch.compile'd caller reaches) gets the launcher's refusal
+    with pytest.raises(RuntimeError, match="paged_attention_prefill: CUDA launch failed"):
+        torch.ops.qwen3_kernels.paged_attention_prefill(out, *case.args(), case.max_seqlen_q,
+                                                        case.scale)
+    assert out.isnan().all()  # nothing written
+    good = Case([(17, 40), (64, 64)], 16, 8, 16, torch.bfloat16, seed=2).cuda()
+    check_against_reference(good, run_ours(good))
 
 
 @requires_cuda

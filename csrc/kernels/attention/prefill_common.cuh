@@ -115,7 +115,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[4 * kTiles], int n, int 
     // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
     // exp2(-inf - (-inf)) from turning into NaN.
     const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-    const float alpha = fast_exp2(row_max[h] * scale_log2 - m_scaled);
+    // An unchanged max rescales by exactly 1: computed, the FMA-contracted difference of the two
+    // products is their rounding error, and exp2 of it can differ from 1 by an ulp, so a tile
+    // the row sees nothing of (masked past its position: an M block's rows end at different
+    // keys) would change its bits, and a query's result would depend on its chunk and batch.
+    const float alpha = mx == row_max[h] ? 1.f : fast_exp2(row_max[h] * scale_log2 - m_scaled);
     row_max[h] = mx;
     row_sum[h] *= alpha;
     rescale(h, alpha);

@@ -196,6 +196,19 @@ def _check_contiguous(op, name, t):
         _fail(op, f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
+def _check_aligned16(op: str, **tensors):
+    """CUDA tensors the kernels read or write with 16-byte accesses (cp.async, vector loads and
+    stores, TMA) must start 16-byte aligned: only a view at an odd storage offset fails this (it
+    would fault on the device, a sticky error that ends the process's CUDA context). Not while
+    torch.compile traces: the tensors have no address then."""
+    if torch.compiler.is_compiling():
+        return
+    bad = [name for name, t in tensors.items() if t.is_cuda and t.data_ptr() % 16]
+    if bad:
+        _fail(op, f"{', '.join(tensors)} must start 16-byte aligned (the kernels' 16-byte "
+                  f"accesses and TMA); {', '.join(bad)} is a view at an odd offset")
+
+
 def _runs_kernel(t: torch.Tensor, kernel_ok: bool) -> bool:
     """Whether an op on ``t`` runs our CUDA kernel, so its wrapper checks the index values before
     the launch (else the reference runs, and checks them itself)."""
@@ -526,6 +539,7 @@ def paged_attention_decode(
         if checked:
             _check_invariant_context(op, "seq_lens", seq_lens)
     if checked and _runs_kernel(q, kernel_ok):
+        _check_aligned16(op, q=q, k_cache=k_cache, v_cache=v_cache, out=out, workspace=workspace)
         index_checks.paged_attention_decode(op, block_tables, seq_lens, k_cache.shape[0],
                                             k_cache.shape[1])
     _run(op, kernel_ok, out, q, k_cache, v_cache, block_tables, seq_lens, float(scale), workspace,
@@ -593,6 +607,7 @@ def paged_attention_prefill(
         if checked:
             _check_invariant_context(op, "seq_lens_k", seq_lens_k)
     if checked and _runs_kernel(q, kernel_ok):
+        _check_aligned16(op, q=q, k_cache=k_cache, v_cache=v_cache, out=out)
         index_checks.paged_attention_prefill(op, cu_seqlens_q, seq_lens_k, block_tables,
                                              q.shape[0], max_seqlen_q, k_cache.shape[0],
                                              k_cache.shape[1])
@@ -604,15 +619,6 @@ def paged_attention_prefill(
 # ----------------------------------------------------------------------------------------------
 # GEMM
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_aligned16(op: str, **tensors):
-    """CUDA tensors the GEMM kernels read with 16-byte loads (and TMA) must start 16-byte aligned:
-    only a view at an odd storage offset fails this."""
-    bad = [name for name, t in tensors.items() if t.is_cuda and t.data_ptr() % 16]
-    if bad:
-        _fail(op, f"{', '.join(tensors)} must start 16-byte aligned (the kernels' 16-byte loads "
-                  f"and TMA); {', '.join(bad)} is a view at an odd offset")
 
 
 def _gemm_out(op: str, x, weight, out, rows: str, out_cols) -> torch.Tensor:

@@ -37,6 +37,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item()
 
 
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t (same shape, dtype, device) one element past a 16-byte boundary: a
+    view at an odd storage offset, which the ops must refuse before a 16-byte device access."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16
+    return view
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny matrices gain nothing from intra-op threads, and on a busy 2-core runner OpenMP's

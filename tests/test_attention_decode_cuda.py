@@ -28,7 +28,7 @@ import torch
 import qwen3_kernels
 import qwen3_kernels.reference as ref
 from qwen3_kernels.ops import MAX_DECODE_SPLITS, decode_workspace
-from tests.helpers import rel_err, requires_cuda
+from tests.helpers import misaligned, rel_err, requires_cuda
 from tests.test_attention_reference import GQA, make_paged_kv, sdpa_decode
 
 pytestmark = requires_cuda
@@ -193,6 +193,29 @@ def test_decode_cuda_graph_replay_after_lens_and_tables_change(batch):
     full = torch.full_like(q_all, float("nan"))
     full[batch:] = out
     _check(full, case, q_all, scale, rows=list(range(batch, 2 * batch)))
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "out", "workspace"])
+def test_decode_refuses_misaligned_tensors(name):
+    """As prefill's: a view at an odd offset is refused before the launch (the launcher refuses the
+    ones its kernels need aligned), nothing is written, and the next call still runs."""
+    case = make_paged_kv([40, 300], 8, 16, dtype=torch.bfloat16, device="cuda", seed=3)
+    q = torch.randn(2, 32, D, device="cuda").to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    ws = decode_workspace(2, 32, D, q.device)
+    args = dict(q=q, k_cache=case["k_cache"], v_cache=case["v_cache"], out=out, workspace=ws)
+    args[name] = misaligned(args[name])
+    with pytest.raises(ValueError, match=f"{name} is a view at an odd offset"):
+        qwen3_kernels.paged_attention_decode(
+            args["q"], args["k_cache"], args["v_cache"], case["block_tables"], case["seq_lens"],
+            1 / math.sqrt(D), out=args["out"], workspace=args["workspace"])
+    if name in ("k_cache", "v_cache", "workspace"):  # what the launcher needs aligned too
+        with pytest.raises(RuntimeError, match="paged_attention_decode: CUDA launch failed"):
+            torch.ops.qwen3_kernels.paged_attention_decode(
+                args["out"], args["q"], args["k_cache"], args["v_cache"], case["block_tables"],
+                case["seq_lens"], 0.1, args["workspace"])
+    assert args["out"].isnan().all()  # nothing written
+    _check(*_run_case([40, 300], 32, 8, 16, seed=4))
 
 
 def test_decode_opcheck():

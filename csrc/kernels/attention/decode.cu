@@ -998,7 +998,8 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
       num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0 || max_splits < 1 ||
       max_blocks < 1 || num_sms < 1 || batch < 0 || batch > 65535 ||
       reinterpret_cast<uintptr_t>(k_cache) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(v_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0)
+      reinterpret_cast<uintptr_t>(v_cache) % 16 != 0 || reinterpret_cast<uintptr_t>(q) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(workspace) % 16 != 0)  // the combine's float4 loads
     return cudaErrorInvalidValue;
   if (batch == 0 || (cta_first != nullptr && cta_groups == 0)) return cudaSuccess;
   DecodeParams p{};

@@ -208,7 +208,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 
   for (int n = 0; n < n_tiles; ++n) {
     const uint32_t stage_off = (n & 1) * kTileBytes;
-    const uint32_t next_off = kTileBytes - stage_off;
     cp_async_wait<1>();  // K(n) has landed (V(n) may still be in flight)
     if constexpr (kFp8) widen_tile(s_k8 + (n & 1) * kDstBytes, s_k + stage_off);
     __syncthreads();     // ... for every thread, and everyone is done with tile n - 1
@@ -339,6 +338,11 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   if (block_size < 16 || block_size > 256 || (block_size & (block_size - 1)) != 0)
     return cudaErrorInvalidValue;
   if (num_tokens < 0 || batch < 0 || max_seqlen_q < 0 || max_blocks < 0)
+    return cudaErrorInvalidValue;
+  // Both kernels copy q, K and V in 16-byte pieces and store out in 16-byte pieces (a misaligned
+  // address faults: a sticky error for the whole context).
+  if ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) |
+       reinterpret_cast<uintptr_t>(k_cache) | reinterpret_cast<uintptr_t>(v_cache)) % 16 != 0)
     return cudaErrorInvalidValue;
   if (num_tokens == 0 || batch == 0 || max_seqlen_q == 0) return cudaSuccess;
   if (batch > 65535) return cudaErrorInvalidConfiguration;  // grid.z limit

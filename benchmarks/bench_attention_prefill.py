@@ -169,6 +169,85 @@ def test_prefill(report, batch, seqlen, hq, hkv, block_size):
            headline=(batch, seqlen, hq, block_size) in ((1, 4096, 32, 256), (8, 2048, 32, 256)))
 
 
+def mix_lens(n=24, lo=100, hi=1024, seed=1):
+    """The engine's prefill steps hold sequences of mixed length, like the workload's prompts."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+def test_prefill_varlen_mix(report):
+    """Sequences of mixed length in one call (an engine prefill step). SDPA has no varlen causal
+    form for cuDNN (nested tensors refuse is_causal there), so the baseline is cuDNN's better way
+    of the two a dense user has: the batch right-padded to the longest sequence (one launch,
+    is_causal: a valid row sees only valid keys; the padding is computed and dropped) or one
+    launch per sequence (captured in one CUDA graph with the rest)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, block_size = 32, 8, 256
+    lens = mix_lens()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = 1.0 / math.sqrt(D)
+    seqs = [make_inputs(1, n, hq, hkv, block_size, gen) for n in lens]
+    # one paged cache for all: sequence b's blocks after the others' (their order is shuffled
+    # within each sequence by make_inputs)
+    offsets = [0]
+    for x in seqs:
+        offsets.append(offsets[-1] + x["k_cache"].shape[0])
+    k_cache = torch.cat([x["k_cache"] for x in seqs])
+    v_cache = torch.cat([x["v_cache"] for x in seqs])
+    max_blocks = max(x["block_tables"].shape[1] for x in seqs)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32, device="cuda")
+    for b, x in enumerate(seqs):
+        tables[b, : x["block_tables"].shape[1]] = x["block_tables"][0] + offsets[b]
+    q_packed = torch.cat([x["q_packed"] for x in seqs])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q_packed)
+    lmax = max(lens)
+    pad = {}
+    for name, width in (("q", hq), ("k", hkv), ("v", hkv)):
+        pad[name] = torch.zeros(len(lens), width, lmax, D, device="cuda", dtype=DTYPE)
+        for b, x in enumerate(seqs):
+            pad[name][b, :, : lens[b]] = x[name][0]
+
+    def ours():
+        ops.paged_attention_prefill(q_packed, k_cache, v_cache, cu, seq_lens, tables, lmax, scale,
+                                    out=out)
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=True)
+
+    def padded():
+        return cudnn(pad["q"], pad["k"], pad["v"])
+
+    def per_sequence():
+        return [cudnn(x["q"], x["k"], x["v"]) for x in seqs]
+
+    want = per_sequence()
+    got_padded = padded()
+    out.fill_(float("nan"))
+    ours()
+    for b, x in enumerate(seqs):
+        _check(out[cu[b]:cu[b + 1]].unsqueeze(0), want[b])
+        pad_rows = got_padded[b:b + 1, :, : lens[b]].float()  # the padded run's valid rows
+        assert (pad_rows - want[b].float()).norm() < 2e-2 * want[b].float().norm()
+    best = rematch({"ours": [ours], "sdpa_cudnn_padded": [padded],
+                    "sdpa_cudnn_per_seq": [per_sequence]}, {}, reps=20)
+    flops = sum(causal_flops(1, n, hq) for n in lens)
+    base = min(("sdpa_cudnn_padded", "sdpa_cudnn_per_seq"), key=best.get)
+    notes = [f"{k} {flops / best[k] / 1e12:.0f} TFLOP/s"
+             for k in ("sdpa_cudnn_padded", "sdpa_cudnn_per_seq")]
+    report("paged_attention_prefill",
+           f"causal mix B={len(lens)} L={min(lens)}..{lmax} Hq/Hkv={hq}/{hkv} bs={block_size}",
+           best["ours"], {k: best[k] for k in ("sdpa_cudnn_padded", "sdpa_cudnn_per_seq")},
+           flops=flops, baseline=base,
+           note="; ".join(notes + [f"ratio against the faster baseline ({base}); best of 3, "
+                                   "alternating"]))
+
+
 @pytest.mark.parametrize("lq,lk", [(2048, 8192), (512, 16384)])
 def test_prefill_prefix_chunk(report, lq, lk):
     """Chunked prefill / prefix-cache hit: Lq new tokens over Lk keys (query i at Lk - Lq + i).

@@ -387,13 +387,19 @@ def _bars(plt, doc, unit: str, title: str, path: Path, only=None):
     rows = [r for r in doc.get("rows", []) if r.get("unit") == unit and (only is None or only(r))]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.4))
+    # a row measured against another baseline than the legend's names it under its bar
+    first = rows[0].get("baseline")
+    ticks = [r["case"] + (f" [vs {r.get('baseline')}]" if r.get("baseline") != first else "")
+             for r in rows]
+    # the labels hang below the axes at 60 degrees: room for the longest
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2),
+                                    3.0 + 0.055 * max(len(t) for t in ticks)))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["ours_rate"] for r in rows], 0.4, label="ours")
     ax.bar([x + 0.2 for x in xs], [r.get("baseline_rate") or 0 for r in rows], 0.4,
-           label=rows[0].get("baseline") or "baseline")
+           label=first or "baseline")
     _ceiling(ax, unit)
-    ax.set_xticks(list(xs), [r["case"] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(list(xs), ticks, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel(unit)
     ax.set_title(f"{title} ({_subtitle(doc)})", fontsize=10)
     ax.legend(fontsize=7)

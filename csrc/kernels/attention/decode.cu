@@ -55,7 +55,13 @@
 //     overlaps the previous kernel's tail). A GPU without 192 KB of shared memory per CTA (A100)
 //     runs the split shape's choices on w4s3.
 //   batch-invariant (batch_invariant=true): w4s3's order at every batch size, splits at fixed key
-//     positions, w4s2 for prefill's CTA groups (see choose_launch).
+//     positions, w4s2 for prefill's CTA groups (see choose_launch). Lost to it: the mode's decode
+//     through the prefill kernel (one query a sequence; that kernel's order for a query does not
+//     depend on what shares the launch, so prefill would run at its own speed: 8 x 1k 189 us
+//     against 1,057 as decode; branch experiment/deterministic-prefill-order). Its 128-row wgmma
+//     tiles hold 2..4 valid rows in decode, and the wasted tensor work cost power and clock: H200,
+//     Qwen3-0.6B workload 21,761 output tok/s (1,755 MHz, 700 W) against this order's 23,967
+//     (1,980 MHz, 581 W; default 26,389-26,946); decode B = 256 ctx 1k 273 us against 261.
 //   Measured on an H200 (bench_attention_decode.py, against cuDNN): batch shape B=32 ctx 4k
 //   0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x (w8s3 there: 0.93-0.97x); split shape B=16 ctx 2k
 //   0.96-1.02x, B=1 ctx 32k 1.01-1.05x (w4s3 there: 0.90-0.97x). Chunks of one tile per warp: at

@@ -81,11 +81,13 @@ def test_tp2_fp8_logits_match_world_size_1(ckpts, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     want_logits, want_hidden = run_steps(load_checkpoint(fp8), SHAPE["vocab_size"])
     # every activation group lies within one rank's slice (K per rank a multiple of 128), so
-    # each rank quantizes exactly what world size 1 does: only fp32 summation order differs
-    assert rel_err(ranks[0]["logits"], want_logits) <= 1e-5
+    # each rank quantizes exactly what world size 1 does: only fp32 summation order differs. How
+    # much that moves the result depends on the CPU's GEMM kernels (1.6e-5 on one CI machine,
+    # under 1e-5 on another); a block with a wrong scale would be off by a whole factor.
+    assert rel_err(ranks[0]["logits"], want_logits) <= 1e-4
     assert ranks[1]["logits"] is None
     for r in range(2):
-        assert rel_err(ranks[r]["hidden"], want_hidden) <= 1e-5
+        assert rel_err(ranks[r]["hidden"], want_hidden) <= 1e-4
         # the scales really were split: q | k | v of 2 + 1 + 1 heads of 128 rows, 256 of gate
         # and of up, down's 512 input columns in halves; hidden 272 -> 3 blocks
         assert ranks[r]["scales"] == {"self_attn.qkv_proj.weight_scale_inv": (4, 3),

@@ -6,9 +6,9 @@ The acceptance: 16 prompts (1..1270 tokens) x (greedy, seeded top-p sampling), 2
 with logprobs=5, run alone (CUDA graphs on) give every token and every logprob bit-identical
 when they run again inside batches of 1, 16 and 255 random other requests, split into prefill
 chunks of several sizes, served from the prefix cache, under KV pressure that preempts them, with
-CUDA graphs and eager, with KV blocks of 16 and 256 tokens, on fresh engines. The 1270-token
-prompt spans three of the mode's fixed 640-key attention splits (its decodes cross the boundary
-at 1280), so the split combine is covered too.
+CUDA graphs and eager, with KV blocks of 16 and 256 tokens, on fresh engines. The prompts stay
+within the first of the mode's fixed 2048-key attention splits (launchers.h); the splits' combine
+is covered by test_batch_invariant_ops.py (contexts up to 40960 keys).
 
 And the tests fail without the mode: ``test_default_mode_differs_in_a_batch`` passes only while
 the default mode's targets in a batch differ from their run alone.

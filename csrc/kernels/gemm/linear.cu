@@ -110,6 +110,12 @@ constexpr Choice dp(Config c) { return {c, DP, 0}; }
 // automatic choice's at M = 1 (the GEMV): 1.09 / 1.14 / 1.06 / 1.07 / 1.04 (QKV / o / gate_up /
 // down / LM head); the range over the five at M = 32: 0.85-1.02; 64: 0.86-1.08; 128: 0.97-1.11;
 // 256: 0.87-1.13; 512: 0.95-1.18; 1024: 0.95-1.05; 2048: 0.94-1.07.
+// Lost to the swap 64x16 tile at M <= 8 (branch experiment/gemv-invariant): the same chain of k16
+// steps on mma.sync (one warp per 16 weight rows, N / 16 CTAs, TMA boxes of 16 rows x 256
+// columns; bit-identical to these tiles, since mma.sync m16n8k16 and a wgmma k16 step give the
+// same fp32 bits, H200 probe). H200, CUDA-graph replays, us at M = 1 against swap 64x16: qkv 16.10
+// / 16.04, o 11.66 / 11.34, gate_up 55.34 / 50.98, down 29.00 / 27.55, LM head 302.0 / 287.8;
+// Qwen3-8B batch 1 in the mode 212.1-212.2 decode tok/s (default 241.3-241.4, same call).
 constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
   const bool lm_head = n >= 65536;  // the vocabulary
   const bool wide = n > 8192;       // gate_up; QKV, o and down are at most 8192 wide

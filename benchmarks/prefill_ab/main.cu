@@ -9,6 +9,7 @@
 //     tree:csrc/kernels/attention/prefill_sm90_ws.cu
 //   benchmarks/prefill_ab/build/ab [rounds]  # on the GPU: the device call carries
 //                                            # benchmarks/prefill_ab/build (git ignores it)
+// prefill.cu's mma.sync kernel joins as a variant too: mma:benchmarks/prefill_ab/mma_kernel.cu.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -91,6 +92,10 @@ int main(int argc, char** argv) {
   shapes.push_back({"14B 4x1000 40/8", uni(4, 1000), uni(4, 1000), 40, 8, 256});
   shapes.push_back({"lk<lq 3 seqs", {300, 77, 1000}, {200, 50, 1000}, 32, 8, 256});
   shapes.push_back({"16k one-tile", uni(1, 16384), uni(1, 16384), 32, 8, 256});
+  // decode-shaped: one query a sequence (its rows are those of a decode step)
+  shapes.push_back({"decode 64 x 1/1000", uni(64, 1), uni(64, 1000), 32, 8, 16});
+  shapes.push_back({"decode 8 x 1/300..2047", uni(8, 1), {300, 2047, 128, 129, 1, 640, 1500, 77},
+                    32, 8, 256});
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   cudaEvent_t e0, e1;

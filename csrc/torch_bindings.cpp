@@ -134,10 +134,11 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
                op);
 }
 
-// Batch-invariant prefill: each query token runs as the decode query at its position would (the
-// decode kernel's fixed splits, launchers.h), so its output depends neither on the batch, nor on
-// how the prompt was chunked, nor on whether prefill or decode computed it (a preempted
-// sequence's recompute). Each token is a row of a decode batch: its sequence's block-table row
+// Batch-invariant prefill of the rows the prefill kernel does not run in decode's order (past
+// kDecodeInvariantSplitKeys keys, or all where invariant_prefill_order does not hold): each query
+// token runs as the decode query at its position would (the decode kernel's fixed splits,
+// launchers.h), so its output depends neither on the batch, nor on how the prompt was chunked,
+// nor on whether prefill or decode computed it (a preempted sequence's recompute). Each token is a row of a decode batch: its sequence's block-table row
 // and the keys up to itself. A CTA takes up to 16 / group consecutive tokens of one sequence
 // (cta_first / cta_count) and reads their keys once; each row's result is the one it gets alone.
 // Tokens run in chunks so the split workspace stays under 64 MiB.
@@ -208,21 +209,30 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
   const int64_t b = cu_seqlens_q.size(0) - 1;
   if (q.size(0) == 0 || b == 0 || max_seqlen_q == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  if (batch_invariant) {
-    prefill_as_decode(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, dt,
-                      kv_cache(k_cache, k_scale, v_scale));
-    return;
-  }
-  check_launch(qwen3_kernels::paged_attention_prefill(
+  const qwen3_kernels::KvCache kv = kv_cache(k_cache, k_scale, v_scale);
+  // The deterministic mode: where invariant_prefill_order holds, the rows at positions below
+  // kDecodeInvariantSplitKeys take the default kernel (decode runs them in its order), then the
+  // rows past it, if the block table reaches them, run as decode (which leaves the others alone).
+  // Elsewhere every row runs as decode.
+  const bool prefill_kernel =
+      !batch_invariant ||
+      qwen3_kernels::invariant_prefill_order(kv.fp8, static_cast<int>(q.size(1)),
+                                             static_cast<int>(k_cache.size(2)),
+                                             static_cast<int>(k_cache.size(1)));
+  if (prefill_kernel)
+    check_launch(qwen3_kernels::paged_attention_prefill(
                    out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                    cu_seqlens_q.data_ptr<int32_t>(), seq_lens_k.data_ptr<int32_t>(),
                    block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(0)),
                    static_cast<int>(b), static_cast<int>(max_seqlen_q), static_cast<int>(q.size(1)),
                    static_cast<int>(k_cache.size(2)), static_cast<int>(q.size(2)),
                    static_cast<int>(k_cache.size(1)), static_cast<int>(block_tables.size(1)),
-                   static_cast<float>(scale), dt, kv_cache(k_cache, k_scale, v_scale),
-                   stream()),
-               op);
+                   static_cast<float>(scale), dt, kv, stream()),
+                 op);
+  if (batch_invariant && (!prefill_kernel || block_tables.size(1) * k_cache.size(1) >
+                                                qwen3_kernels::kDecodeInvariantSplitKeys))
+    prefill_as_decode(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, dt,
+                      kv);
 }
 
 // ---- linear -------------------------------------------------------------------------------------

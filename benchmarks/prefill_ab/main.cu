@@ -9,7 +9,8 @@
 //     tree:csrc/kernels/attention/prefill_sm90_ws.cu
 //   benchmarks/prefill_ab/build/ab [rounds]  # on the GPU: the device call carries
 //                                            # benchmarks/prefill_ab/build (git ignores it)
-// prefill.cu's mma.sync kernel joins as a variant too: mma:benchmarks/prefill_ab/mma_kernel.cu.
+// prefill.cu's mma.sync kernel joins as a variant too: mma:benchmarks/prefill_ab/mma_kernel.cu, and
+// the deterministic mode's decode (decode shapes only): dpo:benchmarks/prefill_ab/decode_kernel.cu.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -96,6 +97,14 @@ int main(int argc, char** argv) {
   shapes.push_back({"decode 64 x 1/1000", uni(64, 1), uni(64, 1000), 32, 8, 16});
   shapes.push_back({"decode 8 x 1/300..2047", uni(8, 1), {300, 2047, 128, 129, 1, 640, 1500, 77},
                     32, 8, 256});
+  shapes.push_back({"decode 1 x 1/384", uni(1, 1), uni(1, 384), 32, 8, 16});
+  shapes.push_back({"decode 256 x 1/1000", uni(256, 1), uni(256, 1000), 32, 8, 16});
+  {
+    std::mt19937 r(2);
+    std::vector<int> l(256);
+    for (auto& x : l) x = 100 + r() % 1948;
+    shapes.push_back({"decode 256 x 1/100..2047 16/8", uni(256, 1), l, 16, 8, 16});
+  }
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   cudaEvent_t e0, e1;

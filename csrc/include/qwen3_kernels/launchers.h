@@ -32,13 +32,18 @@ cudaError_t silu_and_mul(void* out,            // [T, I], row stride out_stride 
 // ---- batch invariance -------------------------------------------------------------------------
 // batch_invariant (the engine's deterministic mode): each output row's sums run in an order fixed
 // by its own shape, never by the batch, so the row is a function of its own inputs alone, bit for
-// bit, whatever T or B is (norm.cu, decode.cu, linear.cu; prefill runs every query token as
-// decode would, torch_bindings.cpp).
+// bit, whatever T or B is (norm.cu, decode.cu, linear.cu; prefill runs a query token as decode
+// would at its position, torch_bindings.cpp).
 // Decode's splits then cover this many keys each, from key 0, up to kDecodeInvariantMaxKeys keys
 // (Qwen3's max_position_embeddings; the combine holds at most 64 splits).
 constexpr int kDecodeInvariantSplitKeys = 2048;
 constexpr int kDecodeInvariantMaxKeys = 40960;
 static_assert(kDecodeInvariantMaxKeys <= 64 * kDecodeInvariantSplitKeys, "64 splits at most");
+// Where this holds (a 16-bit cache, at most 16 q heads a kv head, blocks of a power of two in
+// 16..256, a device running the sm_90a prefill kernel), a query with at most
+// kDecodeInvariantSplitKeys keys runs in the prefill kernel's per-row order instead, in decode
+// too (kernels/attention/decode_prefill_order.cu): prefill then runs at its default speed.
+bool invariant_prefill_order(bool fp8_kv, int num_q_heads, int num_kv_heads, int block_size);
 
 // ---- norm.cu --------------------------------------------------------------------------------
 // out = x * rsqrt(mean(x^2) + eps) * weight, per row

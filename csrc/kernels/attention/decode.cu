@@ -54,18 +54,15 @@
 //     kernel too (it waits for the previous kernel at its first instruction, so only its launch
 //     overlaps the previous kernel's tail). A GPU without 192 KB of shared memory per CTA (A100)
 //     runs the split shape's choices on w4s3.
-//   batch-invariant (batch_invariant=true): w4s3's order at every batch size, splits at fixed key
-//     positions, w4s2 for prefill's CTA groups (see choose_launch). Lost to it: the mode's decode
-//     through the prefill kernel (one query a sequence; that kernel's order for a query does not
-//     depend on what shares the launch, so prefill would run at its own speed: 8 x 1k 189 us
-//     against 1,057 as decode; branch experiment/deterministic-prefill-order). Its 128-row wgmma
-//     tiles hold 2..4 valid rows in decode, and the wasted tensor work cost power and clock: H200,
-//     Qwen3-0.6B workload 21,761 output tok/s (1,755 MHz, 700 W) against this order's 23,967
-//     (1,980 MHz, 581 W; default 26,389-26,946); decode B = 256 ctx 1k 273 us against 261.
-//     The way left open: mma.sync m16n8k16 gives the same fp32 bits as a wgmma m64n128k16 k16
-//     step (from shared memory or registers) for the same operands and accumulator (H200 probe,
-//     six value distributions, 0 of 8192 outputs differing), so a 16-row mma.sync decode kernel
-//     can reproduce the prefill kernel's per-row arithmetic without its wasted 128-row tiles.
+//   batch-invariant (batch_invariant=true): a sequence of at most kDecodeInvariantSplitKeys keys
+//     runs in the prefill kernels' per-row order (decode_prefill_order.cu, where
+//     invariant_prefill_order holds; prefill then runs those rows at its default speed); longer
+//     ones, and every sequence elsewhere, in w4s3's order at every batch size, splits at fixed
+//     key positions, w4s2 for prefill's CTA groups (see choose_launch; skip_alone leaves the
+//     short rows to the other kernel). Lost to the mma.sync kernel: the mode's decode through the
+//     wgmma prefill kernel itself (branch experiment/deterministic-prefill-order): its 128-row
+//     tiles hold 2..4 valid rows in decode, and the wasted tensor work cost power and clock (H200,
+//     Qwen3-0.6B workload 21,761 output tok/s at 1,755 MHz against 23,967 for w4s3's order).
 //   Measured on an H200 (bench_attention_decode.py, against cuDNN): batch shape B=32 ctx 4k
 //   0.96-0.99x cuDNN, B=128 ctx 1k 0.98-1.00x (w8s3 there: 0.93-0.97x); split shape B=16 ctx 2k
 //   0.96-1.02x, B=1 ctx 32k 1.01-1.05x (w4s3 there: 0.90-0.97x). Chunks of one tile per warp: at
@@ -115,6 +112,7 @@
 #include "qwen3_kernels/e4m3.cuh"
 #include "qwen3_kernels/mma.cuh"
 #include "qwen3_kernels/launch.cuh"  // pdl_wait, pdl_launch_dependents, LaunchConfig, launch_ex
+#include "prefill_common.cuh"  // PrefillParams, launch_decode_prefill_order, sm90_available
 
 namespace qwen3_kernels {
 namespace {
@@ -190,6 +188,10 @@ struct DecodeParams {
   int combine_heads;            // q heads per combine CTA (a divisor of Hq): 1, or the group
                                 // where the batch alone fills the GPU (fewer CTAs that find a
                                 // sequence written alone and return)
+  int skip_alone;               // 1 (the batch-invariant launch where invariant_prefill_order
+                                // holds): rows that fit in split 0 are not this kernel's (decode:
+                                // decode_prefill_order.cu; prefill: the prefill kernel), so it
+                                // leaves them alone
   float scale_log2;             // softmax scale * k_scale * log2(e): the kernel works in base 2
   float v_scale;                // the output's factor (1 but for an fp8 cache)
 };
@@ -368,7 +370,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   // condition), so a short context pays neither the partials' round trip nor the combine's.
   // (Qwen3-8B batch 1 at 384 tokens: the combine cost ~2 us a layer, 1.7% of the step.)
   const bool alone = kSplit && n_tiles <= p.chunk_tiles;
-  if (alone && split > 0) return;
+  if (alone && (split > 0 || p.skip_alone)) return;
   if (kSplit && empty && !alone) {  // nothing to read: an empty partial, skipped by the combine
     if (threadIdx.x < rows) {
       const int64_t bh = kMulti ? row_bh(threadIdx.x)
@@ -625,7 +627,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     bool row_alone = alone;
     if constexpr (kMulti) {
       row_alone = (row_len(r) + kTileKeys - 1) / kTileKeys <= p.chunk_tiles;
-      if (row_alone && split > 0) continue;
+      if (row_alone && (split > 0 || p.skip_alone)) continue;
     }
     if (!kSplit || row_alone) {
       static_cast<T*>(p.out)[bh * kHeadDim + d] = from_float<T>(val);
@@ -702,7 +704,7 @@ __global__ void __launch_bounds__(S::kThreads)
     if (groups.first == nullptr) {  // (a CTA of several rows keeps the loop)
       const int len = max(0, min(p.seq_lens[blockIdx.z], p.ctx_cap));
       if ((len + kTileKeys - 1) / kTileKeys <= p.split_tiles) {
-        if (blockIdx.x == 0) decode_split<T, KV, false, S>(p, 0, smem, groups);
+        if (blockIdx.x == 0 && !p.skip_alone) decode_split<T, KV, false, S>(p, 0, smem, groups);
         return;
       }
     }
@@ -993,6 +995,12 @@ cudaError_t launch(DecodeParams p, int batch, int max_ctx, int num_sms, const La
 
 }  // namespace
 
+bool invariant_prefill_order(bool fp8_kv, int num_q_heads, int num_kv_heads, int block_size) {
+  return !fp8_kv && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 &&
+         num_q_heads / num_kv_heads <= kRows && block_size >= 16 && block_size <= 256 &&
+         (block_size & (block_size - 1)) == 0 && prefill::sm90_available();
+}
+
 cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache,
                                    const void* v_cache, const int32_t* block_tables,
                                    const int32_t* seq_lens, float* workspace, int batch,
@@ -1031,6 +1039,8 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
   p.scale_log2 = scale * kv.k_scale * 1.4426950408889634f;
   p.v_scale = kv.v_scale;
   p.combine_heads = 1;
+  p.skip_alone =
+      batch_invariant && invariant_prefill_order(kv.fp8, num_q_heads, num_kv_heads, block_size);
   const int64_t max_ctx64 = static_cast<int64_t>(max_blocks) * block_size;
   // (batch-invariant: at most kDecodeInvariantMaxKeys; ops.py refuses longer sequences there)
   const int64_t ctx_limit = batch_invariant ? kDecodeInvariantMaxKeys : (1 << 30);
@@ -1043,6 +1053,29 @@ cudaError_t paged_attention_decode(void* out, const void* q, const void* k_cache
     using T = decltype(t_tag);
     using KV = decltype(kv_tag);
     if (c.invariant) {
+      // Sequences that fit in split 0, where invariant_prefill_order holds: the prefill kernels'
+      // order (decode_prefill_order.cu); the split kernel then takes only the longer ones, and
+      // is not launched when there can be none.
+      if (p.skip_alone && cta_first == nullptr) {
+        prefill::PrefillParams pp{};
+        pp.out = out;
+        pp.q = q;
+        pp.k_cache = k_cache;
+        pp.v_cache = v_cache;
+        pp.seq_lens_k = seq_lens;
+        pp.block_tables = block_tables;
+        pp.num_q_heads = num_q_heads;
+        pp.num_kv_heads = num_kv_heads;
+        pp.group = p.group;
+        pp.block_size_log2 = __builtin_ctz(static_cast<unsigned>(block_size));
+        pp.max_blocks = max_blocks;
+        pp.scale_log2 = p.scale_log2;
+        pp.v_scale = 1.f;
+        const cudaError_t err =
+            prefill::launch_decode_prefill_order(pp, batch, max_ctx, dtype, stream);
+        if (err != cudaSuccess) return err;
+      }
+      if (p.skip_alone && max_ctx <= kDecodeInvariantSplitKeys) return cudaSuccess;
       // Prefill's CTA groups (many short CTAs) on w4s2, decode on w4s3: one order (the stage
       // count sets only the pipeline depth), see choose_launch.
       const CtaGroups groups{cta_first, cta_count};

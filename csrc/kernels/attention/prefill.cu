@@ -217,10 +217,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     }
     cp_async_commit();
 
-    // S = Q K^T for this warp's 16 rows x 64 keys.
+    // S = Q K^T for this warp's 16 rows x 64 keys. From -0, the additive identity (the wgmma
+    // kernel's first k-step writes A B without adding, and +0 would turn a -0 product into +0).
     float s[kBlockN / 8][4];
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = -0.f;
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
 #pragma unroll

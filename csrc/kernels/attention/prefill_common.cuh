@@ -89,6 +89,11 @@ __device__ __forceinline__ void store_out_chunk(const PrefillParams& p, T* out, 
 // absolute position pos[h] are masked. row_max holds raw (unscaled) score maxima, row_sum this
 // lane's part of the sums (the quad is summed at the end). rescale(h, alpha) is called with the
 // factor for row h's accumulated output as soon as it is known.
+// Every operation is spelled out (fmaf, __fmul_rn, __fadd_rn: nothing left for the compiler to
+// contract or reuse), so each kernel that inlines this step computes the same bits for a row: the
+// deterministic mode rests on the wgmma kernel, the mma.sync kernel and decode agreeing. Left to
+// the compiler, prefill.cu computed alpha from a separate product and difference and prefill_sm90_ws.cu
+// from a product kept from the previous tile, and ~1 output in 3,500 differed (H200).
 template <int kTiles, typename Rescale>
 __device__ __forceinline__ void softmax_step(float (&s)[4 * kTiles], int n, int n_full,
                                              const int (&pos)[2], int t4, float scale_log2,
@@ -114,14 +119,15 @@ __device__ __forceinline__ void softmax_step(float (&s)[4 * kTiles], int n, int 
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
     // exp2(-inf - (-inf)) from turning into NaN.
-    const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+    const float m_scaled = mx == -INFINITY ? 0.f : __fmul_rn(mx, scale_log2);
     // An unchanged max rescales by exactly 1: computed, the FMA-contracted difference of the two
     // products is their rounding error, and exp2 of it can differ from 1 by an ulp, so a tile
     // the row sees nothing of (masked past its position: an M block's rows end at different
     // keys) would change its bits, and a query's result would depend on its chunk and batch.
-    const float alpha = mx == row_max[h] ? 1.f : fast_exp2(row_max[h] * scale_log2 - m_scaled);
+    const float alpha =
+        mx == row_max[h] ? 1.f : fast_exp2(fmaf(row_max[h], scale_log2, -m_scaled));
     row_max[h] = mx;
-    row_sum[h] *= alpha;
+    row_sum[h] = __fmul_rn(row_sum[h], alpha);
     rescale(h, alpha);
 #pragma unroll
     for (int j = 0; j < kTiles; ++j) {
@@ -129,7 +135,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[4 * kTiles], int n, int 
       float& s1 = s[4 * j + 2 * h + 1];
       s0 = fast_exp2(fmaf(s0, scale_log2, -m_scaled));
       s1 = fast_exp2(fmaf(s1, scale_log2, -m_scaled));
-      row_sum[h] += s0 + s1;
+      row_sum[h] = __fadd_rn(row_sum[h], __fadd_rn(s0, s1));
     }
   }
 }
@@ -165,6 +171,12 @@ __device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha
 bool sm90_available();
 cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, int max_seqlen_q,
                            DType dtype, bool persistent, cudaStream_t stream);
+
+// The deterministic mode's decode of the sequences of at most kDecodeInvariantSplitKeys keys, in
+// these kernels' per-row order (decode_prefill_order.cu): q / out [B, Hq, D], seq_lens_k [B]
+// clamped to [0, ctx_cap], cu_seqlens_q unused; group <= 16, a 16-bit cache.
+cudaError_t launch_decode_prefill_order(const PrefillParams& p, int batch, int ctx_cap,
+                                        DType dtype, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace qwen3_kernels

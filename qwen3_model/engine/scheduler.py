@@ -99,8 +99,9 @@ def throughput_schedule(policy: str, weight_bytes: int, num_requests: int, max_n
     THROUGHPUT_MAX_NUM_BATCHED_TOKENS prompt and decode tokens replay CUDA graphs (one GPU,
     piecewise graphs that large); run eagerly, their launches would set the pace instead.
     ``deterministic``: the batch-invariant mode keeps fcfs (its 384-token mixed steps run the
-    invariant GEMM tiles and prefill attention as decode: Qwen3-8B on an H200, this schedule
-    8,114 output tok/s against 8,805 fcfs in another call)."""
+    invariant GEMM tiles: Qwen3-8B on an H200, this schedule 8,114 output tok/s against 8,805
+    fcfs in another call, with the mode's prefill attention run as decode; since d13822e its
+    prompts within 2048 keys take the prefill kernel, which this figure predates)."""
     if (policy != "auto" or not mixed_step_graphs or deterministic
             or weight_bytes < THROUGHPUT_MIN_WEIGHT_BYTES
             or num_requests <= THROUGHPUT_MAX_NUM_SEQS):

@@ -138,9 +138,10 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& q, const at::Tens
 // kDecodeInvariantSplitKeys keys, or all where invariant_prefill_order does not hold): each query
 // token runs as the decode query at its position would (the decode kernel's fixed splits,
 // launchers.h), so its output depends neither on the batch, nor on how the prompt was chunked,
-// nor on whether prefill or decode computed it (a preempted sequence's recompute). Each token is a row of a decode batch: its sequence's block-table row
-// and the keys up to itself. A CTA takes up to 16 / group consecutive tokens of one sequence
-// (cta_first / cta_count) and reads their keys once; each row's result is the one it gets alone.
+// nor on whether prefill or decode computed it (a preempted sequence's recompute). Each token is
+// a row of a decode batch: its sequence's block-table row and the keys up to itself. A CTA takes
+// up to 16 / group consecutive tokens of one sequence (cta_first / cta_count) and reads their keys
+// once; each row's result is the one it gets alone.
 // Tokens run in chunks so the split workspace stays under 64 MiB.
 void prefill_as_decode(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                        const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,

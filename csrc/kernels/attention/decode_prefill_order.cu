@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_prefill_order_kernel(const
         cp_async_16(dst + k_swizzle(row, lane & 15), valid ? src + row * slot_stride : k_head,
                     valid);
       }
-    } else {  // V: 64 keys x this warp's 4 chunks; lane copies chunk lane % 4 of rows lane / 4 + 8 i
+    } else {  // V: 64 keys x this warp's 4 chunks; chunk lane % 4 of rows lane / 4 + 8 i
       const int key_base = tile * kTileKeys + (kind - 2) * 64;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -318,9 +318,10 @@ cudaError_t launch_decode_prefill_order(const PrefillParams& p, int batch, int c
     cudaError_t err = cudaFuncSetAttribute(decode_prefill_order_kernel<T>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
-    return launch_ex(decode_prefill_order_kernel<T>,
-                     LaunchConfig(dim3(p.num_kv_heads, batch), dim3(kWarps * 32), kSmem, stream, pdl, 1),
-                     p, ctx_cap);
+    return launch_ex(
+        decode_prefill_order_kernel<T>,
+        LaunchConfig(dim3(p.num_kv_heads, batch), dim3(kWarps * 32), kSmem, stream, pdl, 1), p,
+        ctx_cap);
   });
 }
 

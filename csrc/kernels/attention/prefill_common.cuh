@@ -91,9 +91,10 @@ __device__ __forceinline__ void store_out_chunk(const PrefillParams& p, T* out, 
 // factor for row h's accumulated output as soon as it is known.
 // Every operation is spelled out (fmaf, __fmul_rn, __fadd_rn: nothing left for the compiler to
 // contract or reuse), so each kernel that inlines this step computes the same bits for a row: the
-// deterministic mode rests on the wgmma kernel, the mma.sync kernel and decode agreeing. Left to
-// the compiler, prefill.cu computed alpha from a separate product and difference and prefill_sm90_ws.cu
-// from a product kept from the previous tile, and ~1 output in 3,500 differed (H200).
+// deterministic mode rests on the wgmma kernel, the mma.sync kernels and decode agreeing. Left to
+// the compiler, prefill.cu computed alpha from a separate product and difference, and
+// prefill_sm90_ws.cu from a product kept from the previous tile: ~1 output in 3,500 differed
+// (H200, benchmarks/prefill_ab).
 template <int kTiles, typename Rescale>
 __device__ __forceinline__ void softmax_step(float (&s)[4 * kTiles], int n, int n_full,
                                              const int (&pos)[2], int t4, float scale_log2,

@@ -73,7 +73,8 @@
 //
 // Variants that no shape of the default launch picks (branch experiment/kernel-launch-variants
 // keeps them, with the environment switches that selected them):
-//   w4s2 (64 KB, 3 CTAs per SM; the batch-invariant prefill's), w4s4 (128 KB), w4s6 (192 KB), w8s3 (chunks of 4 tiles per warp):
+//   w4s2 (64 KB, 3 CTAs per SM; the batch-invariant prefill's), w4s4 (128 KB), w4s6 (192 KB),
+//   w8s3 (chunks of 4 tiles per warp):
 //     B=16 ctx 2k Hq/Hkv 32/8 (cuDNN 34.5 us, automatic split count, any flags): w4s2 38.2-39.0
 //     us, w4s4 43.2-44.3, w4s6 41.0-41.8, w8s3 36.5-37.1, w4s3 37.9-38.4 (bench_attention_decode.py
 //     sweep); w8s3 at batch 1 also in the chunk figures above.

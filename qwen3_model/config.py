@@ -21,8 +21,8 @@ SCHEDULING_POLICIES = ("auto", "fcfs", "longest_first")
 # schedule that measured fastest there. The nano-vllm workload on an H200 (one call), this schedule
 # / fcfs at 512 sequences and 16384 tokens: Qwen3-8B 1.06x (bf16, 15.3 GiB of weights) and 1.03x
 # (FP8, 8.8 GiB), 4B 1.03x (7.5 GiB), 1.7B 1.02x (3.2 GiB); Qwen3-0.6B (1.1 GiB, host-bound at
-# small steps) 0.98x in another call, so it keeps fcfs (benchmarks/RESULTS.md); so does the
-# deterministic mode (scheduler.throughput_schedule). Everything else, and the online engine
+# small steps) 0.98x in another call, so it keeps fcfs (benchmarks/RESULTS.md); the deterministic
+# mode takes the same rule (scheduler.throughput_schedule). Everything else, and the online engine
 # (AsyncLLM, the server) always, runs fcfs under the configured budgets.
 THROUGHPUT_MIN_WEIGHT_BYTES = 2 * 2**30
 THROUGHPUT_MAX_NUM_SEQS = 176

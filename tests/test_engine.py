@@ -167,11 +167,9 @@ def test_auto_policy_runs_a_large_offline_batch_under_the_throughput_schedule(ti
     assert llm.config.scheduling_policy == "auto"
     seen = {}
 
-    def rule(policy, weight_bytes, num_requests, max_num_seqs, max_num_batched_tokens, graphs,
-             deterministic):
+    def rule(policy, weight_bytes, num_requests, max_num_seqs, max_num_batched_tokens, graphs):
         seen.update(policy=policy, weight_bytes=weight_bytes, num_requests=num_requests,
-                    budgets=(max_num_seqs, max_num_batched_tokens), graphs=graphs,
-                    deterministic=deterministic)
+                    budgets=(max_num_seqs, max_num_batched_tokens), graphs=graphs)
         return (2, 12)
 
     monkeypatch.setattr(llm_engine, "throughput_schedule", rule)
@@ -193,7 +191,7 @@ def test_auto_policy_runs_a_large_offline_batch_under_the_throughput_schedule(ti
         assert o.token_ids == hf_greedy(hf, p, m)
     weights = sum(p.numel() * p.element_size() for p in llm.model_runner.model.parameters())
     assert seen == dict(policy="auto", weight_bytes=weights, num_requests=5, budgets=(4, 64),
-                        graphs=False, deterministic=False)  # (the CPU has no piecewise graphs)
+                        graphs=False)  # (the CPU has no piecewise graphs)
     assert steps and all(n <= 12 and running <= 2 and lf for n, running, lf in steps)
     assert (sched.longest_first, sched.max_num_seqs, sched.max_num_batched_tokens) == (False, 4, 64)
 

@@ -274,16 +274,15 @@ def test_throughput_schedule_rule():
                                     THROUGHPUT_MIN_WEIGHT_BYTES as W)
     from qwen3_model.engine.scheduler import throughput_schedule
 
-    assert throughput_schedule("auto", W, S + 1, 512, 16384, True, False) == (S, T)
+    assert throughput_schedule("auto", W, S + 1, 512, 16384, True) == (S, T)
     # the configured budgets where smaller
-    assert throughput_schedule("auto", W, S + 1, 64, 100, True, False) == (64, 100)
-    assert throughput_schedule("auto", W - 1, 10_000, 512, 16384, True, False) is None  # small
+    assert throughput_schedule("auto", W, S + 1, 64, 100, True) == (64, 100)
+    assert throughput_schedule("auto", W - 1, 10_000, 512, 16384, True) is None  # small
     # a batch the GPU runs at once
-    assert throughput_schedule("auto", W, S, 512, 16384, True, False) is None
-    assert throughput_schedule("auto", W, 10_000, 512, 16384, False, False) is None  # eager steps
-    assert throughput_schedule("auto", W, 10_000, 512, 16384, True, True) is None  # deterministic
+    assert throughput_schedule("auto", W, S, 512, 16384, True) is None
+    assert throughput_schedule("auto", W, 10_000, 512, 16384, False) is None  # eager steps
     for policy in ("fcfs", "longest_first"):  # an explicit policy is kept as given
-        assert throughput_schedule(policy, W, 10_000, 512, 16384, True, False) is None
+        assert throughput_schedule(policy, W, 10_000, 512, 16384, True) is None
 
 
 def test_offline_batch_runs_longest_first_under_its_budgets_then_restores():

@@ -385,8 +385,7 @@ class LLMEngine:
         caps = throughput_schedule(
             cfg.scheduling_policy, self.weight_bytes, len(seqs), cfg.max_num_seqs,
             cfg.max_num_batched_tokens,
-            pw is not None and pw.max_tokens >= THROUGHPUT_MAX_NUM_BATCHED_TOKENS,
-            cfg.deterministic)
+            pw is not None and pw.max_tokens >= THROUGHPUT_MAX_NUM_BATCHED_TOKENS)
         self.offline_schedule = caps  # (read by benchmarks: what "auto" chose)
         schedule = contextlib.ExitStack()
         if caps is not None:

@@ -21,7 +21,10 @@
 // kernel does), and warp w accumulates o for dims 32 w .. 32 w + 31 over all 128 keys (each
 // output column's chain is its own). One warp per (sequence, kv head) took ~7 us a tile (H200:
 // batch 1 at 384 keys 21.6 us, Qwen3-0.6B workload 0.78x the default mode; branch
-// experiment/decode-prefill-order-1warp).
+// experiment/decode-prefill-order-1warp). Eight warps (S of 16 keys, o of 16 dims a warp; same
+// bits) where the batch does not fill the SMs gained nothing and lost elsewhere (H200,
+// benchmarks/prefill_ab, us, 4 / 8 warps: 1 x 1/384 8.0 / 8.0, 8 x 1/300..2047 34.4 / 35.6, 64 x
+// 1/1000 66.0 / 81.2, 256 x 1/1000 243.4 / 306.6; branch experiment/decode-prefill-order-8warps).
 //
 // Loads: each warp streams its own units of 4 KiB through a ring of kSlots: per tile its two K
 // sub-tiles (16 keys x 256 B, swizzled) and two V halves (64 keys x its 64 B of dims), by 16-byte

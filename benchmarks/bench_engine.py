@@ -283,11 +283,28 @@ def run_ours_batch1(llm: LLM, prompt, new_tokens: int) -> tuple[float, float]:
     return decode, n / (end - start)
 
 
-def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int = 14,
-                overlap: bool = False) -> dict:
-    """Profile decode steps of ``num_seqs`` running sequences at ~``context`` tokens: host wall
-    time per step, GPU kernel time per step (kernel by kernel), the gap between them, and the
-    step's roofline (weights + KV cache read once at the H200's read ceiling).
+def context_range(text: str) -> tuple[int, int]:
+    """--profile-context: ``N`` tokens, or ``LO..HI`` (each sequence's drawn uniformly)."""
+    lo, sep, hi = text.partition("..")
+    try:
+        lo, hi = int(lo), int(hi if sep else lo)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected N or LO..HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def context_text(context: tuple[int, int]) -> str:
+    return f"{context[0]}" if context[0] == context[1] else f"{context[0]}..{context[1]}"
+
+
+def run_profile(llm: LLM, num_seqs: int, context: tuple[int, int], steps: int = 8,
+                top: int = 14, overlap: bool = False) -> dict:
+    """Profile decode steps of ``num_seqs`` running sequences at ~``context`` tokens (LO, HI:
+    each sequence's drawn from it): host wall time per step, GPU kernel time per step (kernel by
+    kernel), the gap between them, and the step's roofline (weights + KV cache read once at the
+    H200's read ceiling).
 
     ``overlap``: the steps of generate's loop (the host prepares step k + 1 while the GPU runs
     step k, as in every benchmark above) instead of ``step()`` one by one, so the gap is the GPU's
@@ -297,8 +314,9 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     vocab = llm.config.hf_config.vocab_size
     rng = random.Random(1)
     sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 64)
-    for i in range(num_seqs):
-        llm.add_request([rng.randrange(min(vocab, 10000)) for _ in range(context)], sp, i)
+    lengths = [rng.randint(*context) for _ in range(num_seqs)]
+    for i, n in enumerate(lengths):
+        llm.add_request([rng.randrange(min(vocab, 10000)) for _ in range(n)], sp, i)
     while llm.scheduler.waiting or any(s.num_completion_tokens == 0 for s in llm.scheduler.running):
         llm.step()  # prefill everything
     for _ in range(4):
@@ -337,16 +355,17 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
     gpu_us = sum(e.self_device_time_total for e in rows) / n_steps
     if gpu_us == 0:
         print("no CUDA kernel time recorded (no GPU, or the profiler saw no kernels)")
-        return dict(mode="profile", num_seqs=num_seqs, context=context)
+        return dict(mode="profile", num_seqs=num_seqs, context=context_text(context))
     wall_us = 1e6 * sum(walls) / n_steps
     model = runner.model
     cfg = llm.config.hf_config
     kv_heads = max(1, cfg.num_key_value_heads // llm.config.tensor_parallel_size)
-    kv_bytes = (num_seqs * (context + steps) * cfg.num_hidden_layers * 2 * kv_heads
+    kv_bytes = ((sum(lengths) + num_seqs * steps) * cfg.num_hidden_layers * 2 * kv_heads
                 * cfg.head_dim * 2)
     w_bytes = weight_bytes_per_token(model)
     ideal_us = (w_bytes + kv_bytes) / (H200_READ_TBS * 1e6)
-    print(f"\ndecode step profile: {num_seqs} sequences at ~{context} tokens, {steps} steps "
+    print(f"\ndecode step profile: {num_seqs} sequences at ~{context_text(context)} tokens, "
+          f"{steps} steps "
           f"({replayed} from CUDA graphs; {'overlapped loop' if overlap else 'step() by step()'})")
     print(f"  host wall {wall_us:,.0f} us/step; GPU kernels {gpu_us:,.0f} us/step "
           f"({gpu_us / wall_us:.0%} busy, gap {wall_us - gpu_us:,.0f} us)")
@@ -358,14 +377,16 @@ def run_profile(llm: LLM, num_seqs: int, context: int, steps: int = 8, top: int 
         name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
         us = e.self_device_time_total / n_steps
         print(f"  | `{name}` | {e.count / n_steps:.0f} | {us:,.1f} | {us / gpu_us:.1%} |")
-    return dict(mode="profile", num_seqs=num_seqs, context=context, wall_us=wall_us,
+    return dict(mode="profile", num_seqs=num_seqs, context=context_text(context), wall_us=wall_us,
                 gpu_us=gpu_us, ideal_us=ideal_us, graph_steps=replayed)
 
 
-def run_prefill_profile(llm: LLM, num_seqs: int, context: int, top: int = 16) -> dict:
-    """Profile one prefill step: ``num_seqs`` waiting prompts of ``context`` tokens, as many as
-    the step's token budget admits (the workload's first steps are such steps): kernel by kernel,
-    the GPU time of the step and its matmul FLOPs against cuBLAS's measured 739 TFLOP/s."""
+def run_prefill_profile(llm: LLM, num_seqs: int, context: tuple[int, int],
+                        top: int = 16) -> dict:
+    """Profile one prefill step: ``num_seqs`` waiting prompts of ``context`` tokens (LO, HI: each
+    prompt's drawn from it), as many as the step's token budget admits (the workload's first
+    steps are such steps): kernel by kernel, the GPU time of the step and its matmul FLOPs
+    against cuBLAS's measured 739 TFLOP/s."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -374,7 +395,8 @@ def run_prefill_profile(llm: LLM, num_seqs: int, context: int, top: int = 16) ->
     sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4)
     llm.generate([[1, 2, 3, 4] * 64] * 4, sp, use_tqdm=False)  # warm-up: eager kernels, autotuning
     for i in range(num_seqs):
-        llm.add_request([rng.randrange(min(vocab, 10000)) for _ in range(context)], sp, i)
+        n = rng.randint(*context)
+        llm.add_request([rng.randrange(min(vocab, 10000)) for _ in range(n)], sp, i)
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -390,10 +412,10 @@ def run_prefill_profile(llm: LLM, num_seqs: int, context: int, top: int = 16) ->
     params = sum(p.numel() for p in llm.model_runner.model.parameters())
     params -= 2 * cfg.vocab_size * cfg.hidden_size  # the embedding and the LM head: not per token
     matmul_tflop = 2 * n_pre * params / 1e12
-    print(f"\nprefill step profile: {n_pre} prefill tokens ({num_seqs} prompts of {context} "
-          f"offered), {n_dec} decodes; wall {wall_us / 1e3:,.1f} ms, GPU kernels "
-          f"{gpu_us / 1e3:,.1f} ms; the projections' {matmul_tflop:,.0f} TFLOP at 739 TFLOP/s "
-          f"= {matmul_tflop / 739 * 1e3:,.1f} ms")
+    print(f"\nprefill step profile: {n_pre} prefill tokens ({num_seqs} prompts of "
+          f"{context_text(context)} offered), {n_dec} decodes; wall {wall_us / 1e3:,.1f} ms, "
+          f"GPU kernels {gpu_us / 1e3:,.1f} ms; the projections' {matmul_tflop:,.0f} TFLOP at "
+          f"739 TFLOP/s = {matmul_tflop / 739 * 1e3:,.1f} ms")
     print("  | kernel | calls | ms | share |\n  |---|---|---|---|")
     for e in rows[:top]:
         name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
@@ -489,7 +511,8 @@ def main(argv=None):
                    help="hf: transformers on the same requests in the same run")
     p.add_argument("--profile", action="store_true",
                    help="profile decode steps of --num-seqs sequences at --profile-context tokens")
-    p.add_argument("--profile-context", type=int, default=512)
+    p.add_argument("--profile-context", type=context_range, default=(512, 512),
+                   help="N tokens a sequence, or LO..HI (each drawn from it; e.g. 100..2047)")
     p.add_argument("--profile-prefill", action="store_true",
                    help="with --profile: one prefill step of --num-seqs prompts of "
                         "--profile-context tokens instead of decode steps")

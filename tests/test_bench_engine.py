@@ -156,3 +156,22 @@ def test_engine_settings_flags():
                     "--tp-all-reduce", "nccl", "--kv-cache-dtype", "fp8"])
     assert seen["overlap_steps"] is False and seen["tp_all_reduce"] == "nccl"
     assert seen["kv_cache_dtype"] == "fp8"
+
+
+def test_profile_context_takes_a_length_or_a_range(capsys):
+    """--profile-context N or LO..HI (each sequence's length drawn from it); anything else is
+    refused by the parser. On CPU the profile runs its decode steps and reports no kernel time."""
+    import argparse
+
+    bench = _bench_engine()
+    assert bench.context_range("512") == (512, 512)
+    assert bench.context_range("100..2047") == (100, 2047)
+    for bad in ("0", "9..3", "a..b", "5..", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected N or LO..HI"):
+            bench.context_range(bad)
+    with pytest.warns(UserWarning, match="CUDA is not available"):  # (the profiler's)
+        result = bench.main(["--size", "demo", "--profile", "--num-seqs", "3", "--profile-context",
+                             "5..40", "--no-gpu-clocks"])
+    assert result["mode"] == "profile" and result["context"] == "5..40"
+    assert "no CUDA kernel time recorded" in capsys.readouterr().out
+

@@ -7,6 +7,9 @@
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   ENGINE="--size 8B --batch1;--size 8B --no-overlap-steps" bash scripts/gpu_round.sh
 #                         # bench_engine.py runs, ";"-separated (each its flags)
+#   ENGINE="--size 8B;PYTHONPATH=$PWD/scratch/b --size 8B" ...  # a run's leading NAME=value
+#                         # words are its environment: here the second run imports the Python
+#                         # package copied to scratch/b/ (another branch's engine on this build)
 #   SERVE='--size 8B;--size 8B --workload chat;--size 8B --engine-args "--max-num-seqs 176"' \
 #     bash scripts/gpu_round.sh  # bench_serve.py runs (server + offline baselines each), as ENGINE
 #                         # but shell-quoted; SERVE=none skips them; SERVE_TIMEOUT=1200 (s) each
@@ -129,8 +132,13 @@ if [ "$ENGINE" != none ]; then
   for args in "${runs[@]}"; do
     echo "== bench_engine.py $args ==" | tee -a "$OUT/engine.log"
     read -ra flags <<< "$args"
-    (cd benchmarks && timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py "${flags[@]}" \
-       --results-dir "$RESULTS" 2>&1) | grep -v "Generating" | tee -a "$OUT/engine.log" | tail -6
+    envs=()
+    while [ ${#flags[@]} -gt 0 ] && [[ "${flags[0]}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do
+      envs+=("${flags[0]}"); flags=("${flags[@]:1}")
+    done
+    (cd benchmarks && env "${envs[@]}" timeout "${ENGINE_TIMEOUT:-180}" python3 bench_engine.py \
+       "${flags[@]}" --results-dir "$RESULTS" 2>&1) | grep -v "Generating" \
+       | tee -a "$OUT/engine.log" | tail -6
   done
 fi
 

@@ -3,6 +3,7 @@
     cd benchmarks && pytest -q -s bench_linear.py                  # -> results/bench_linear.json
     cd benchmarks && pytest -q -s bench_linear.py -k vs_cublas     # the fused-QKV shapes by T
     cd benchmarks && pytest -q -s bench_linear.py -k shapes        # every projection at decode T
+    cd benchmarks && pytest -q -s bench_linear.py -k invariant     # the deterministic mode's cost
 
 out[T, N] = x[T, K] @ w[N, K]^T in bf16, the kernel the op picks for the shape (GEMV, CUTLASS or
 cuBLAS: the choice table in csrc/kernels/gemm/linear.cu) against torch.matmul (cuBLAS). Each case
@@ -111,3 +112,31 @@ def test_linear_shapes_vs_cublas(size, tp, proj, t, report):
     ours, base = _time_both(t, n, k)
     report("linear", f"{size} tp{tp} {proj} N={n} K={k} T={t}", ours, {"cublas": base},
            nbytes=(n * k + t * k + t * n) * 2, size=t, size_name="M")
+
+
+# The deterministic mode's linear (batch_invariant=True: one data-parallel CUTLASS tile per
+# (M, N), linear.cu's choose_invariant) against the default choice (GEMV, CUTLASS or cuBLAS) on
+# Qwen3-8B's projections, at the token counts of its engine steps: batch 1, decode batches, and
+# the 384-token mixed steps of the throughput schedule. ours / default < 1 is what the mode costs.
+INVARIANT_CASES = [(proj, t) for proj in ("qkv", "o", "gate_up", "down", "lm_head")
+                   for t in (1, 16, 64, 128, 176, 256, 384, 512, 2048)]
+
+
+@pytest.mark.parametrize("proj,t", INVARIANT_CASES,
+                         ids=[f"8B-{j}-T{t}" for j, t in INVARIANT_CASES])
+def test_linear_batch_invariant_vs_default(proj, t, report):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the batch-invariant linear runs on compute capability 9.0 only")
+    n, k = _linear_shapes("8B", 1)[proj]
+    sets = _sets(t, n, k)
+    calls = max(len(sets), 8)
+    mode = [lambda s=s: torch.ops.qwen3_kernels.linear(s[2], s[0], s[1], True) for s in sets]
+    ours = time_gpu(mode, calls_per_replay=calls)
+    _guard(sets)
+    default = time_gpu(_ours(sets), calls_per_replay=calls)
+    best = rematch({"ours": mode, "default": _ours(sets)}, {"ours": ours, "default": default},
+                   calls_per_replay=calls)
+    report("linear_batch_invariant", f"8B {proj} N={n} K={k} T={t}", best["ours"],
+           {"default": best["default"]}, nbytes=(n * k + t * k + t * n) * 2 if t <= SMALL_T
+           else None, flops=2 * t * n * k if t > SMALL_T else None, size=t, size_name="M")
+

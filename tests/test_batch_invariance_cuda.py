@@ -41,7 +41,7 @@ SHAPE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hid
              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
              tie_word_embeddings=False, max_position_embeddings=4096)
 V = SHAPE["vocab_size"]
-# the harness's lengths with 211 dropped and 1270 added: 1270 + 24 keys span 3 splits of 640
+# the harness's lengths with 211 dropped and 1270 added: a long target within the first split
 LENGTHS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 97, 128, 150, 256, 300, 1270)
 NUM_OTHERS = 16
 # the base engine: one step holds any target prompt whole (the run alone is one prefill, then

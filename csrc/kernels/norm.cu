@@ -16,9 +16,9 @@
 // vs 2.67 without; fused_add_rms_norm T=64 1.99 vs 2.52; python benchmarks/bench_elementwise.py).
 // At T >= kSmallT the fewest threads that hold the row in kMaxVecs vectors each (measured 1.07x /
 // 1.24x torch.compile). batch_invariant (the deterministic mode) takes the T < kSmallT launch at
-// every T: the block's sum runs over the same threads in the same order whatever T is. Variants no shape picks (2 vectors per thread, Inductor's shape for
-// H = 4096; one row split over a cluster of 2/4/8 CTAs on sm_90) are kept on branch
-// experiment/kernel-launch-variants.
+// every T: the block's sum runs over the same threads in the same order whatever T is. Variants
+// no shape picks (2 vectors per thread, Inductor's shape for H = 4096; one row split over a
+// cluster of 2/4/8 CTAs on sm_90) are kept on branch experiment/kernel-launch-variants.
 #include <algorithm>
 #include <type_traits>
 

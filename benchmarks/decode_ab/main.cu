@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "ab_common.cuh"
+
 struct Args {
   void* out;
   const void* q;
@@ -54,31 +56,6 @@ using Launch = cudaError_t (*)(const Args&, cudaStream_t);
 static const Launch kLaunch[] = {VARIANT_CALLS_LIST};
 static const char* kNames[] = {VARIANT_NAMES_LIST};
 constexpr int kVariants = sizeof(kLaunch) / sizeof(kLaunch[0]);
-
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e = (x);                                                            \
-    if (e != cudaSuccess) {                                                         \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      exit(1);                                                                      \
-    }                                                                               \
-  } while (0)
-
-__device__ float hash_uniform(size_t i, uint32_t seed) {  // in [-2, 2)
-  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-  h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-  return ((h & 0xffff) / 65536.f - 0.5f) * 4.f;
-}
-__global__ void fill_bf16(__nv_bfloat16* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    x[i] = __float2bfloat16(hash_uniform(i, seed));
-}
-__global__ void fill_e4m3(uint8_t* x, size_t n, uint32_t seed) {  // finite e4m3 of [-64, 64)
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    x[i] = __nv_cvt_float_to_fp8(32.f * hash_uniform(i, seed), __NV_SATFINITE, __NV_E4M3);
-}
 
 struct Shape {
   std::string name;
@@ -138,13 +115,14 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&ws, static_cast<size_t>(batch) * sh.hq * max_splits * 129 * 4));
     CK(cudaMemcpy(tables, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(lens, sh.lens.data(), batch * 4, cudaMemcpyHostToDevice));
-    fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q), static_cast<size_t>(batch) * sh.hq * 128, 1);
+    fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(q),
+                              static_cast<size_t>(batch) * sh.hq * 128, 1, 2.f);
     if (sh.fp8) {
-      fill_e4m3<<<4096, 256>>>(static_cast<uint8_t*>(k), cache_elems, 2);
-      fill_e4m3<<<4096, 256>>>(static_cast<uint8_t*>(v), cache_elems, 3);
+      fill_e4m3<<<4096, 256>>>(static_cast<uint8_t*>(k), cache_elems, 2, 64.f);
+      fill_e4m3<<<4096, 256>>>(static_cast<uint8_t*>(v), cache_elems, 3, 64.f);
     } else {
-      fill_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(k), cache_elems, 2);
-      fill_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(v), cache_elems, 3);
+      fill_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(k), cache_elems, 2, 2.f);
+      fill_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(v), cache_elems, 3, 2.f);
     }
     CK(cudaDeviceSynchronize());
     Args a{out, q, k, v, tables, lens, ws, batch, sh.hq, sh.hkv, sh.bs, max_blocks, max_splits,

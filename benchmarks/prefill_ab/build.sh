@@ -1,26 +1,4 @@
 #!/usr/bin/env bash
-# Builds build/ab from main.cu and the variants given as name:file (paths from the repository
-# root or absolute), each file compiled with -Dqwen3_kernels=ab_<name> so that all link together.
-# Needs nvcc only (no torch, no GPU); ~15 s a variant, in parallel.
-set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-out="$here/build"
-mkdir -p "$out"
-flags=(-std=c++17 -O3 --expt-relaxed-constexpr -DNDEBUG --use_fast_math
-       -gencode=arch=compute_90a,code=sm_90a -I"$root/csrc/include"
-       -I"$root/csrc/kernels/attention" -I"$out")
-decls="" calls="" names="" objs=() pids=()
-for spec in "$@"; do
-  name=${spec%%:*} file=${spec#*:}
-  [[ "$file" = /* ]] || file="$root/$file"
-  decls+=" DECL(ab_$name)" calls+=" CALL(ab_$name)," names+=" \"$name\","
-  nvcc -c "${flags[@]}" -Dqwen3_kernels="ab_$name" "$file" -o "$out/v_$name.o" & pids+=($!)
-  objs+=("$out/v_$name.o")
-done
-printf '%s\n#define VARIANT_CALLS_LIST %s\n#define VARIANT_NAMES_LIST %s\n' \
-  "$decls" "$calls" "$names" > "$out/variants.h"
-nvcc -c "${flags[@]}" "$here/main.cu" -o "$out/main.o" & pids+=($!)
-for p in "${pids[@]}"; do wait "$p"; done
-nvcc "${flags[@]}" "$out/main.o" "${objs[@]}" -o "$out/ab"
-echo "built $out/ab"
+# Builds build/ab from main.cu and the variants of prefill_sm90_ws.cu given as name:file (see
+# main.cu's header and ../ab_variants.sh).
+exec bash "$(dirname "$0")/../ab_variants.sh" "$(dirname "$0")" "$@"

@@ -24,6 +24,7 @@
 
 #include "qwen3_kernels/launchers.h"
 #include "prefill_common.cuh"
+#include "ab_common.cuh"
 
 using qwen3_kernels::prefill::PrefillParams;
 
@@ -45,24 +46,6 @@ using Launch = cudaError_t (*)(const PrefillParams&, int, int, int, bool, cudaSt
 static const Launch kLaunch[] = {VARIANT_CALLS_LIST};
 static const char* kNames[] = {VARIANT_NAMES_LIST};
 constexpr int kVariants = sizeof(kLaunch) / sizeof(kLaunch[0]);
-
-#define CK(x)                                                              \
-  do {                                                                     \
-    cudaError_t e = (x);                                                   \
-    if (e != cudaSuccess) {                                                \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
-
-__global__ void fill(__nv_bfloat16* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    x[i] = __float2bfloat16(((h & 0xffff) / 65535.f - 0.5f) * 4.f);
-  }
-}
 
 struct Shape {
   std::string name;
@@ -142,9 +125,9 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&q, q_elems * 2));
     CK(cudaMalloc(&k, kv_elems * 2));
     CK(cudaMalloc(&v, kv_elems * 2));
-    fill<<<1024, 256>>>(q, q_elems, 1);
-    fill<<<1024, 256>>>(k, kv_elems, 2);
-    fill<<<1024, 256>>>(v, kv_elems, 3);
+    fill_bf16<<<1024, 256>>>(q, q_elems, 1, 2.f);
+    fill_bf16<<<1024, 256>>>(k, kv_elems, 2, 2.f);
+    fill_bf16<<<1024, 256>>>(v, kv_elems, 3, 2.f);
     std::vector<__nv_bfloat16*> outs(kVariants);
     for (auto& o : outs) {
       CK(cudaMalloc(&o, q_elems * 2));

@@ -3,7 +3,8 @@
 // variant is printed with its K/V read rate, and every variant's output is compared with variant
 // 0's (largest absolute difference; bf16 outputs, so a different summation order shows as a few
 // ulps). Shapes: bench_attention_decode.py's (Qwen3-8B heads, blocks of 16), the 8B workload's
-// decode step (176 sequences of 100..2047 keys) and batch 1, each with a bf16 and an fp8 cache.
+// decode step (176 sequences of 100..2047 keys) and batch 1, each with a bf16 and an fp8 cache,
+// and the last two again in the batch-invariant launch ("inv", the deterministic mode's).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -62,6 +63,7 @@ struct Shape {
   std::vector<int> lens;
   int hq, hkv, bs;
   bool fp8;
+  bool invariant = false;
 };
 
 int main(int argc, char** argv) {
@@ -83,6 +85,8 @@ int main(int argc, char** argv) {
     shapes.push_back({std::string("B=176 ctx=100..2047") + kv, mix, 32, 8, 16, fp8});
     shapes.push_back({std::string("B=1 ctx=512") + kv, uni(1, 512), 32, 8, 16, fp8});
     shapes.push_back({std::string("B=1 ctx=1024") + kv, uni(1, 1024), 32, 8, 16, fp8});
+    shapes.push_back({std::string("inv B=176 ctx=100..2047") + kv, mix, 32, 8, 16, fp8, true});
+    shapes.push_back({std::string("inv B=1 ctx=4000") + kv, uni(1, 4000), 32, 8, 16, fp8, true});
   }
   printf("%s, %d SMs; variants:", prop.name, prop.multiProcessorCount);
   for (int v = 0; v < kVariants; ++v) printf(" %s", kNames[v]);
@@ -126,7 +130,7 @@ int main(int argc, char** argv) {
     }
     CK(cudaDeviceSynchronize());
     Args a{out, q, k, v, tables, lens, ws, batch, sh.hq, sh.hkv, sh.bs, max_blocks, max_splits,
-           prop.multiProcessorCount, sh.fp8, false, sh.fp8 ? 1.f / 64 : 1.f,
+           prop.multiProcessorCount, sh.fp8, sh.invariant, sh.fp8 ? 1.f / 64 : 1.f,
            sh.fp8 ? 1.f / 32 : 1.f};
     double kv_bytes = 0;
     for (int l : sh.lens) kv_bytes += 2.0 * l * sh.hkv * 128 * elem;

@@ -212,6 +212,19 @@ class Scheduler:
         slots_per_block = bm.block_size
         running = self.running
         partial_decodes = 0
+
+        def take(seq: Sequence, n: int, left: int) -> None:
+            # n of seq's ``left`` uncomputed tokens into this step: a decode (one token; a partial
+            # one when more were left) or a prefill chunk
+            nonlocal partial_decodes
+            if n == 1:
+                decodes.append(seq)
+                partial_decodes += left > 1
+            else:
+                prefills.append((seq, n))
+            if n < left:
+                self.num_partial_prefills += 1
+
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -229,14 +242,7 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break
                 bm.grow(seq, computed + n)
-            if n == 1:
-                decodes.append(seq)
-                if left > 1:
-                    partial_decodes += 1
-            else:
-                prefills.append((seq, n))
-            if n < left:
-                self.num_partial_prefills += 1
+            take(seq, n, left)
             budget -= n
             i += 1
 
@@ -258,14 +264,7 @@ class Scheduler:
             running.append(seq)
             left = seq.num_uncomputed_tokens
             n = min(left, budget)
-            if n == 1:
-                decodes.append(seq)
-                if left > 1:
-                    partial_decodes += 1
-            else:
-                prefills.append((seq, n))
-            if n < left:
-                self.num_partial_prefills += 1
+            take(seq, n, left)
             budget -= n
 
         # Longest context first: decode attention runs one CTA per (sequence, kv head) in batch

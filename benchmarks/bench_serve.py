@@ -571,7 +571,8 @@ def offline_worker(spec_path: str, out_path: str) -> None:
     scheduling policy as fcfs, the server's); prefill alone on
     spec["prefill_prompts"], then one LLM.generate of spec["prompts"] / spec["max_tokens"]."""
     from bench_engine import GpuClocks, free_gpu, sync
-    from qwen3_model.__main__ import build_parser, engine_kwargs
+    from qwen3_model.__main__ import build_parser
+    from qwen3_model.command import engine_kwargs
     from qwen3_model.llm import LLM
     from qwen3_model.sampling_params import SamplingParams
 

@@ -61,7 +61,8 @@ def test_sampling_flags_reach_the_params():
 
 
 def test_engine_flags_reach_the_engine():
-    from qwen3_model.__main__ import build_parser, engine_kwargs
+    from qwen3_model.__main__ import build_parser
+    from qwen3_model.command import engine_kwargs
 
     kw = engine_kwargs(build_parser().parse_args(
         ["--model", "m", "--max-piecewise-graph-tokens", "64", "--scheduling-policy",

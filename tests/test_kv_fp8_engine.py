@@ -198,7 +198,8 @@ def test_other_kv_cache_dtypes_are_refused(ckpt):
 
 
 def test_cli_flag_reaches_the_engine_settings():
-    from qwen3_model.__main__ import build_parser, engine_kwargs
+    from qwen3_model.__main__ import build_parser
+    from qwen3_model.command import engine_kwargs
     from qwen3_model.server.cli import build_parser as build_serve_parser
 
     for parser in (build_parser(), build_serve_parser()):

@@ -14,10 +14,10 @@ import argparse
 import signal
 import sys
 
+from qwen3_model.command import Parser, add_debug_arg, add_engine_args, engine_kwargs, guarded
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from qwen3_model.__main__ import Parser, add_debug_arg, add_engine_args
-
     p = Parser(
         prog="python -m qwen3_model serve",
         description="Serve a Qwen3 checkpoint over the OpenAI API (/v1/completions, "
@@ -42,8 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from qwen3_model.__main__ import guarded
-
     argv = sys.argv[1:] if argv is None else list(argv)
     return guarded(lambda: serve(build_parser().parse_args(argv)), "--debug" in argv)
 
@@ -60,7 +58,6 @@ def serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise SystemExit(f"error: serving needs FastAPI and uvicorn ({e}); "
                          "pip install 'qwen3-kernels[serve]'")
-    from qwen3_model.__main__ import engine_kwargs
     from qwen3_model.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM(args.model, **engine_kwargs(args))  # (an error: one line, by guarded)

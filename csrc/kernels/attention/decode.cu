@@ -208,19 +208,20 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
-// ---- fp8 cache: tiles straight into mma fragments -------------------------------------------------
+// ---- fp8 cache: tiles straight into mma fragments ----------------------------------------------
 //
-// An e4m3 tile is [16 keys][128 bytes]. No ldmatrix reads bytes as mma fragments, so each lane reads
-// 16-byte chunks with plain loads and widens them in registers (e4m3 -> f16 is exact), and the
-// fragments take the dims in an order that makes those chunks contiguous:
-//   - S = Q K^T (fp8_qk): lane (g, t) holds key g (+8) at dims 64 h + 16 t .. + 15 (h = 0, 1), and
-//     these feed k-steps 4 h .. 4 h + 3: k-step m = 4 h + mm takes dims 64 h + 16 t + 4 mm + 0, 1 as
-//     the fragment's k = 2 t, 2 t + 1 and + 2, 3 as k = 2 t + 8, 2 t + 9. Q's fragments are loaded
-//     in the same order (fp8_dim), so every product meets its partner: the same dot products.
-//   - O += P V (fp8_pv): lane (g, t) reads keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 at dims 16 g .. + 15,
-//     and n-tile j's column n is dim 16 n + j, so the lane's column g of the 16 n-tiles is its own
-//     16 bytes; byte permutes pair keys 2 t, 2 t + 1 (and 2 t + 8, 2 t + 9) of one dim. O's
-//     fragment o[j][e] is then row g (e < 2) or g + 8, dim 32 t + 16 (e & 1) + j.
+// An e4m3 tile is [16 keys][128 bytes]. No ldmatrix reads bytes as mma fragments, so each lane
+// reads 16-byte chunks with plain loads and widens them in registers (e4m3 -> f16 is exact), and
+// the fragments take the dims in an order that makes those chunks contiguous:
+//   - S = Q K^T (fp8_qk): lane (g, t) holds key g (+8) at dims 64 h + 16 t .. + 15 (h = 0, 1),
+//     and these feed k-steps 4 h .. 4 h + 3: k-step m = 4 h + mm takes dims 64 h + 16 t + 4 mm
+//     + 0, 1 as the fragment's k = 2 t, 2 t + 1 and + 2, 3 as k = 2 t + 8, 2 t + 9. Q's fragments
+//     are loaded in the same order (fp8_dim), so every product meets its partner: the same dot
+//     products.
+//   - O += P V (fp8_pv): lane (g, t) reads keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 at dims 16 g ..
+//     + 15, and n-tile j's column n is dim 16 n + j, so the lane's column g of the 16 n-tiles is
+//     its own 16 bytes; byte permutes pair keys 2 t, 2 t + 1 (and 2 t + 8, 2 t + 9) of one dim.
+//     O's fragment o[j][e] is then row g (e < 2) or g + 8, dim 32 t + 16 (e & 1) + j.
 // Chunk c of row r is stored at chunk c ^ (r & 6) ^ (4 (r & 1)): the 8 lanes of each quarter-warp
 // read 8 different bank groups, in fp8_qk (rows g, g + 1 at chunks 4 h + t) and in fp8_pv (rows
 // 2 t (+1, +8, +9) at chunk g), and the cp.async writes (8 lanes a row) stay conflict-free.

@@ -92,12 +92,17 @@
 // free.
 //
 // FP8 cache (KV = uint8_t: e4m3 K/V with per-layer scales, launchers.h KvCache): the cp.async
-// pipeline carries the e4m3 bytes, twice the stages of a 16-bit cache in the same shared memory
-// (the same bytes in flight), and each lane reads its mma fragments' bytes straight from the
-// landed tile and widens them to fp16 in registers (fp8_qk / fp8_pv: e4m3 -> fp16 is exact, the
-// dims taken in an order that makes a lane's bytes contiguous). Q is turned into fp16 once (exact
-// in fp16's normal range). k_scale is folded into the softmax scale and v_scale into the output's
-// normalisation.
+// pipeline carries the e4m3 bytes at the 16-bit cache's stage count (half its shared memory, so
+// more CTAs a SM), and each lane reads its mma fragments' bytes straight from the landed tile and
+// widens them to fp16 in registers (fp8_qk / fp8_pv: e4m3 -> fp16 is exact, the dims taken in an
+// order that makes a lane's bytes contiguous). Q is turned into fp16 once (exact in fp16's normal
+// range). k_scale is folded into the softmax scale and v_scale into the output's normalisation.
+// Measured (H200, benchmarks/decode_ab, CUDA-graph replays, Qwen3-8B heads, blocks of 16, us)
+// against the earlier converted-tile path: B=176 x 100..2047 keys (the 8B workload's decode step)
+// 110.9 vs 175.7, B=128 x 1k 76.9 vs 108.8, B=16 x 2k 21.3 vs 31.0, B=1 x 32k 23.5 vs 33.6, B=32 x
+// 4k 77.2 vs 101.8, the batch-invariant launch at B=176 134.0 vs 171.8; outputs within a few
+// bf16 ulps of it. Twice the stages in the same shared memory won at B=32 x 4k (66.8) and lost
+// elsewhere (120.1 / 83.0 / 23.1 / 25.2 / 135.4 on the shapes above).
 //
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
 // arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so
@@ -138,16 +143,10 @@ struct Shape {
   static constexpr int kStages = kStages_;
   static constexpr int kTilesPerWarpChunk = kTilesPerWarpChunk_;
   static constexpr int kThreads = kWarps * 32;
-  // Stages of a warp's pipeline: an fp8 cache's stage is half the bytes of a 16-bit one, so it
-  // runs twice the stages, the same bytes in flight and the same shared memory.
-  template <typename KV>
-  static constexpr int stages() {
-    return kStages * 2 / static_cast<int>(sizeof(KV));
-  }
-  // Per warp: its stages of [K | V] tiles in the cache's element type.
+  // Per warp: kStages stages of [K | V] tiles in the cache's element type.
   template <typename KV>
   static constexpr int warp_bytes() {
-    return stages<KV>() * kStageElems * static_cast<int>(sizeof(KV));
+    return kStages * kStageElems * static_cast<int>(sizeof(KV));
   }
   static constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
   template <typename KV>
@@ -379,7 +378,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   using M = std::conditional_t<kFp8, __half, T>;
   constexpr int kStageBytes = kStageElems * static_cast<int>(sizeof(KV));
   constexpr int kWarps = S::kWarps;
-  constexpr int kStages = S::template stages<KV>();
+  constexpr int kStages = S::kStages;
   constexpr int kChunkTiles = S::kChunkTiles;
   constexpr int kTilesPerWarpChunk = S::kTilesPerWarpChunk;
   const int kvh = blockIdx.y / p.head_chunks;

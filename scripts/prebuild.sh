@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds qwen3_kernels._C for the lent GPU machine on a machine without a GPU, so that a GPU round
-# spends its time on tests and benchmarks instead of nvcc (a full build is ~2 min on the GPU
-# machine's 16 cores, ~7 min on 2).
+# Builds qwen3_kernels._C on a machine without a GPU for one that has it, so that a GPU round
+# spends its time on tests and benchmarks instead of nvcc (a full build is ~2 min on 16 cores,
+# ~7 min on 2).
 #
 #   PY=/path/to/python3.12 bash scripts/prebuild.sh NAME [SOURCE_TREE]
 #

@@ -71,16 +71,20 @@ template <class TileShape_,         // CTA tile (M, N, K); K = 128: one scale gr
           class ClusterShape_,      // CTAs a cluster (M, N, 1): TMA multicast of the shared operand
           class KernelSchedule_,    // cooperative (2 consumer WGs, one tile) or ping-pong (1 each)
           class EpilogueSchedule_,  // matches the mainloop's
-          class TileScheduler_>     // StreamKScheduler (cooperative only) or PersistentScheduler
+          class TileScheduler_,     // StreamKScheduler (cooperative only) or PersistentScheduler
+          bool kSwapAB_ = false>    // out^T = w xq^T: the weight is A (its rows the tile's M)
 struct BlockScaledGemm {
-  using ElementA = cutlass::float_e4m3_t;                      // xq [M, K]
+  static constexpr bool kSwapAB = kSwapAB_;
+  using ElementA = cutlass::float_e4m3_t;                      // xq [M, K] (swapped: w [N, K])
   using LayoutA = cutlass::layout::RowMajor;                   // K contiguous
   static constexpr int AlignmentA = 16;                        // 16-byte TMA rows: K % 16 == 0
-  using ElementB = cutlass::float_e4m3_t;                      // w [N, K]
+  using ElementB = cutlass::float_e4m3_t;                      // w [N, K] (swapped: xq [M, K])
   using LayoutB = cutlass::layout::ColumnMajor;                // [K, N] stored as [N, K]
   static constexpr int AlignmentB = 16;
   using ElementD = cutlass::bfloat16_t;                        // out [M, N]
-  using LayoutD = cutlass::layout::RowMajor;
+  // swapped: D = out^T [N, M], column-major, is out [M, N] row-major
+  using LayoutD =
+      cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int AlignmentD = 8;                         // N % 8 == 0: 16-byte output rows
   using ElementC = void;                                       // no source operand: D = acc
   using ElementAccumulator = float;
@@ -92,9 +96,13 @@ struct BlockScaledGemm {
 
   // Scale granularity (M, N, K) = (1, 128, 128): a scale per token per group (SFA, MN-major:
   // tokens contiguous) and one per 128 x 128 weight block (SFB, K-major: groups contiguous).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGroup, kGroup,
-                                                                cute::GMMA::Major::MN,
-                                                                cute::GMMA::Major::K>;
+  // Swapped, the same scales the other way round: (128, 1, 128), SFA K-major, SFB MN-major.
+  using ScaleConfig = cute::conditional_t<
+      kSwapAB,
+      cutlass::detail::Sm90BlockwiseScaleConfig<kGroup, 1, kGroup, cute::GMMA::Major::K,
+                                                cute::GMMA::Major::MN>,
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, kGroup, kGroup, cute::GMMA::Major::MN,
+                                                cute::GMMA::Major::K>>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -127,14 +135,33 @@ struct BlockScaledGemm {
   using StrideD = typename GemmKernel::StrideD;
 
   static typename Gemm::Arguments arguments(const Call& c) {
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = c.device;
+    hw_info.sm_count = c.sm_count;  // cached: no device query per call
+    if constexpr (kSwapAB) {
+      // The problem (N, M, K): A = w, B = xq; the token scales (SFB) span scale_stride columns.
+      const LayoutSFA layout_sfa =
+          ScaleConfig::tile_atom_to_shape_SFA(make_shape(c.n, c.m, c.k, 1));
+      const LayoutSFB layout_sfb =
+          ScaleConfig::tile_atom_to_shape_SFB(make_shape(c.n, c.scale_stride, c.k, 1));
+      return typename Gemm::Arguments{
+          cutlass::gemm::GemmUniversalMode::kGemm,
+          {c.n, c.m, c.k, 1},
+          {static_cast<const ElementA*>(c.w),
+           cutlass::make_cute_packed_stride(StrideA{}, {c.n, c.k, 1}),
+           static_cast<const ElementB*>(c.xq),
+           cutlass::make_cute_packed_stride(StrideB{}, {c.m, c.k, 1}),
+           c.w_scales, layout_sfa, c.x_scales, layout_sfb},
+          {{1.0f, 0.0f},
+           nullptr, cutlass::make_cute_packed_stride(StrideC{}, {c.n, c.m, 1}),
+           static_cast<ElementD*>(c.out),
+           cutlass::make_cute_packed_stride(StrideD{}, {c.n, c.m, 1})},
+          hw_info};
+    }
     // SFA spans scale_stride rows (see the top of the file), its groups scale_stride apart.
     const LayoutSFA layout_sfa =
         ScaleConfig::tile_atom_to_shape_SFA(make_shape(c.scale_stride, c.n, c.k, 1));
     const LayoutSFB layout_sfb = ScaleConfig::tile_atom_to_shape_SFB(make_shape(c.m, c.n, c.k, 1));
-
-    cutlass::KernelHardwareInfo hw_info;
-    hw_info.device_id = c.device;
-    hw_info.sm_count = c.sm_count;  // cached: no device query per call
 
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
@@ -192,7 +219,23 @@ using Pingpong64 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::gemm::PersistentScheduler>;
 
-enum class Config { kCoop128, kPingpong64 };
+// Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a few hundred
+// tokens: a tile's token side is 64 instead of 128 (less padding at M = 176: 192 against 256),
+// and the weight's 128-row blocks give N / 128 tiles per 64 tokens.
+//   SwapCoop128x64: 128 weight rows x 64 tokens, two consumer warp groups, stream-K.
+//   SwapPingpong128x64: the same tile per consumer warp group, persistent.
+using SwapCoop128x64 = BlockScaledGemm<
+    Shape<_128, _64, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true>;
+using SwapPingpong128x64 = BlockScaledGemm<
+    Shape<_128, _64, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecialized,
+    cutlass::gemm::PersistentScheduler, true>;
+
+enum class Config { kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64 };
 
 // The choice, by shape. Not measured: the rule below is the starting point that
 // benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
@@ -210,6 +253,27 @@ Config choose(int64_t m, int64_t n, int sm_count) {
   const int64_t tiles64 = (m + 63) / 64 * ((n + 127) / 128);
   if (m <= 1024 && tiles64 >= 2 * static_cast<int64_t>(sm_count)) return Config::kPingpong64;
   return Config::kCoop128;
+}
+
+// The configuration's workspace size and run, by value.
+size_t config_workspace_size(Config config, const Call& c) {
+  switch (config) {
+    case Config::kPingpong64: return Pingpong64::workspace_size(c);
+    case Config::kSwapCoop128x64: return SwapCoop128x64::workspace_size(c);
+    case Config::kSwapPingpong128x64: return SwapPingpong128x64::workspace_size(c);
+    default: return Coop128::workspace_size(c);
+  }
+}
+cudaError_t run_config(Config config, const Call& c, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  switch (config) {
+    case Config::kPingpong64: return Pingpong64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x64:
+      return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapPingpong128x64:
+      return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);
+    default: return Coop128::run(c, workspace, workspace_bytes, stream);
+  }
 }
 
 // Fills the call but its buffers; cudaErrorNotSupported off compute 9.0 (sm_90a code only).
@@ -245,8 +309,7 @@ size_t gemm_workspace_size(int64_t m, int64_t n, int64_t k) {
   // The workspace (stream-K partial tiles and barriers) depends on the tiles, not on where the
   // scales live: any valid scale_stride gives the size gemm() will ask for.
   if (make_call(m, n, k, (m + 3) / 4 * 4, c, config) != cudaSuccess) return 0;
-  return config == Config::kPingpong64 ? Pingpong64::workspace_size(c)
-                                       : Coop128::workspace_size(c);
+  return config_workspace_size(config, c);
 }
 
 cudaError_t gemm(void* out, const void* xq, const float* x_scales, int64_t scale_stride,
@@ -266,9 +329,7 @@ cudaError_t gemm(void* out, const void* xq, const float* x_scales, int64_t scale
   c.x_scales = x_scales;
   c.w = w;
   c.w_scales = w_scales;
-  return config == Config::kPingpong64
-             ? Pingpong64::run(c, workspace, workspace_bytes, stream)
-             : Coop128::run(c, workspace, workspace_bytes, stream);
+  return run_config(config, c, workspace, workspace_bytes, stream);
 }
 
 }  // namespace qwen3_kernels::fp8

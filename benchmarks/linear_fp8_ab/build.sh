@@ -11,6 +11,6 @@ py="${PYTHON:-python3}"
 cutlass="${CUTLASS_DIR:-$("$py" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source"))')}"
 mkdir -p "$here/build"
 nvcc -std=c++17 -O3 --expt-relaxed-constexpr --expt-extended-lambda -DNDEBUG --use_fast_math \
-  -gencode=arch=compute_90a,code=sm_90a -I"$root/csrc/include" -I"$root/csrc/kernels/gemm" \
+  -gencode=arch=compute_90a,code=sm_90a -I"$root/csrc/include" -I"$root/csrc/kernels/gemm" -I"$root/benchmarks" \
   -I"$cutlass/include" -I"$cutlass/tools/util/include" "$here/main.cu" -o "$here/build/ab"
 echo "built $here/build/ab"

@@ -11,34 +11,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "ab_common.cuh"
 #include "linear_fp8_sm90.cu"
 
 namespace f = qwen3_kernels::fp8;
-
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e = (x);                                                            \
-    if (e != cudaSuccess) {                                                         \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      exit(1);                                                                      \
-    }                                                                               \
-  } while (0)
-
-__device__ float hash_uniform(size_t i, uint32_t seed) {  // in [-1, 1)
-  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-  h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-  return ((h & 0xffff) / 65536.f - 0.5f) * 2.f;
-}
-__global__ void fill_e4m3(uint8_t* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    x[i] = __nv_cvt_float_to_fp8(448.f * hash_uniform(i, seed), __NV_SATFINITE, __NV_E4M3);
-}
-__global__ void fill_scale(float* x, size_t n, uint32_t seed) {  // in [0.5, 1.5) / 448
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x)
-    x[i] = (1.f + 0.5f * hash_uniform(i, seed)) / 448.f;
-}
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? atoi(argv[1]) : 5;
@@ -71,10 +47,10 @@ int main(int argc, char** argv) {
       CK(cudaMalloc(&xs, groups * stride * 4));
       CK(cudaMalloc(&ws, (n + 127) / 128 * groups * 4));
       CK(cudaMalloc(&out, m * n * 2));
-      fill_e4m3<<<1024, 256>>>(xq, m * k, 1);
-      fill_e4m3<<<4096, 256>>>(w, n * k, 2);
-      fill_scale<<<64, 256>>>(xs, groups * stride, 3);
-      fill_scale<<<64, 256>>>(ws, (n + 127) / 128 * groups, 4);
+      fill_e4m3<<<1024, 256>>>(xq, m * k, 1, 448.f);
+      fill_e4m3<<<4096, 256>>>(w, n * k, 2, 448.f);
+      fill_f32<<<64, 256>>>(xs, groups * stride, 3, 1.f / 448, 0.5f);
+      fill_f32<<<64, 256>>>(ws, (n + 127) / 128 * groups, 4, 1.f / 448, 0.5f);
       CK(cudaDeviceSynchronize());
       f::Call c;
       f::Config chosen;

@@ -1,5 +1,6 @@
 // Every configuration of the block-scaled FP8 GEMM (linear_fp8_sm90.cu, included here so each is
-// reachable) on Qwen3-8B's projections at the token counts of the engine's decode and mixed steps,
+// reachable) on Qwen3-8B's projections at the token counts of the engine's decode and mixed steps
+// and at 2048 / 4096 (bench_linear_fp8.py's GEMM rows),
 // alternating rounds on the same inputs: best time, weight-read rate and TFLOP/s per
 // configuration, the configuration fp8::gemm chooses marked, and every output against Coop128's
 // (largest absolute difference over the largest |out|: the same sums in another order).
@@ -22,11 +23,12 @@ int main(int argc, char** argv) {
   struct Proj { const char* name; int n, k; };
   const Proj projs[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
                         {"down", 4096, 12288}};
-  const int ms[] = {17, 32, 64, 96, 128, 176, 256, 384, 512};
+  const int ms[] = {17, 32, 64, 96, 128, 176, 256, 384, 512, 2048, 4096};
   const f::Config configs[] = {f::Config::kCoop128, f::Config::kPingpong64,
-                               f::Config::kSwapCoop128x64, f::Config::kSwapPingpong128x64};
-  const char* names[] = {"coop128", "pp64", "swap_coop128x64", "swap_pp128x64"};
-  constexpr int kConfigs = 4;
+                               f::Config::kSwapCoop128x64, f::Config::kSwapPingpong128x64,
+                               f::Config::kCoop128Mc};
+  const char* names[] = {"coop128", "pp64", "swap_coop128x64", "swap_pp128x64", "coop128mc"};
+  constexpr int kConfigs = 5;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);

@@ -235,7 +235,15 @@ using SwapPingpong128x64 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::gemm::PersistentScheduler, true>;
 
-enum class Config { kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64 };
+// Coop128Mc: Coop128 with a 2 x 1 cluster instead, multicasting the weight tile to the CTAs of
+// two neighbouring token tiles (large M: each weight tile is read by M / 128 CTAs).
+using Coop128Mc = BlockScaledGemm<
+    Shape<_128, _128, _128>, Shape<_2, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler>;
+
+enum class Config { kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kCoop128Mc };
 
 // The choice, by shape. Not measured: the rule below is the starting point that
 // benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
@@ -261,6 +269,7 @@ size_t config_workspace_size(Config config, const Call& c) {
     case Config::kPingpong64: return Pingpong64::workspace_size(c);
     case Config::kSwapCoop128x64: return SwapCoop128x64::workspace_size(c);
     case Config::kSwapPingpong128x64: return SwapPingpong128x64::workspace_size(c);
+    case Config::kCoop128Mc: return Coop128Mc::workspace_size(c);
     default: return Coop128::workspace_size(c);
   }
 }
@@ -272,6 +281,7 @@ cudaError_t run_config(Config config, const Call& c, void* workspace, size_t wor
       return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapPingpong128x64:
       return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);
+    case Config::kCoop128Mc: return Coop128Mc::run(c, workspace, workspace_bytes, stream);
     default: return Coop128::run(c, workspace, workspace_bytes, stream);
   }
 }

@@ -235,6 +235,23 @@ using SwapPingpong128x64 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::gemm::PersistentScheduler, true>;
 
+// For a handful of tokens (the decode steps of a few sequences, batch 1): the same swap with a
+// token side of 16 or 32 (wgmma N = 16 / 32), so no token-row padding beyond 16 / 32 and no e4m3
+// conversion on the CUDA cores (the weight-streaming passes of linear_fp8_gemv.cu widen every
+// weight byte to f16 for mma.sync; wgmma reads e4m3 as it is). N / 128 tiles, spread over every SM
+// by stream-K: each SM streams a slice of the weight's K through the TMA ring.
+//   SwapCoop128x16, SwapCoop128x32: 128 weight rows x 16 / 32 tokens, cooperative, stream-K.
+using SwapCoop128x16 = BlockScaledGemm<
+    Shape<_128, _16, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true>;
+using SwapCoop128x32 = BlockScaledGemm<
+    Shape<_128, _32, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true>;
+
 // Coop128Mc: Coop128 with a 2 x 1 cluster instead, multicasting the weight tile to the CTAs of
 // two neighbouring token tiles (large M: each weight tile is read by M / 128 CTAs).
 using Coop128Mc = BlockScaledGemm<
@@ -243,7 +260,10 @@ using Coop128Mc = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecializedCooperative,
     cutlass::gemm::StreamKScheduler>;
 
-enum class Config { kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kCoop128Mc };
+enum class Config {
+  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kCoop128Mc, kSwapCoop128x16,
+  kSwapCoop128x32
+};
 
 // The choice, by shape. Not measured: the rule below is the starting point that
 // benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here

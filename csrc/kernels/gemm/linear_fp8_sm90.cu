@@ -265,34 +265,60 @@ enum class Config {
   kSwapCoop128x32
 };
 
-// The choice, by shape. Not measured: the rule below is the starting point that
-// benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
-// what each configuration measured on the H200 and why the winner won).
-//   - Few tokens (M <= 64; up to 16 linear_fp8.cu runs the weight-streaming pass instead where
-//     fp8::tokens_gemv_fits): Coop128. N / 128 tiles (32 for a 4096-row weight) would leave most
-//     of the 132 SMs idle under a data-parallel grid; only the stream-K scheduler spreads the
-//     K loop of those tiles over every SM, and the weight read is the whole cost.
-//   - Mid M: Pingpong64 when its 64-row tiles already fill the SMs at least twice over
-//     (ceil(M/64) * ceil(N/128) >= 2 * SMs) and M <= 1024: finer waves and less row padding.
-//   - Otherwise (every M >= 2048 target shape): Coop128, data-parallel or stream-K by CUTLASS's
+// The choice, by shape, from benchmarks/linear_fp8_ab on the H200 (every configuration on
+// Qwen3-8B's projections, weights rotated past the L2, CUDA-graph replays; us, the winner against
+// Coop128, the configuration every M up to 64 ran before):
+//   - M <= 64: SwapCoop128x16 (x32 from 33 tokens where N > 4096): the weight's rows as the
+//     wgmma M and 16 / 32 tokens as N, so few tokens pad nothing, and stream-K spreads the N / 128
+//     tiles' K over every SM. M = 17 / 32: qkv 9.82 / 9.89 vs 20.59 / 20.03, gate_up 28.04 /
+//     28.35 vs 46.88 / 44.31, down 20.82 / 20.96 vs 31.43 / 30.33, o 12.79 / 12.93 vs 19.84 /
+//     19.67 (Pingpong64 12.69 / 12.71: a tie); M = 64: qkv (x32) 11.78 vs 19.17, o 9.30 vs 19.21,
+//     gate_up (x32) 29.95 vs 41.33, down 19.48 vs 30.56.
+//   - M <= 128, by projection: N <= 4096 and K <= 4096 (o) SwapCoop128x32 (11.54 vs 18.32 at
+//     128), N <= 4096 above (down) SwapCoop128x64 (24.96 vs 28.02), N <= 8192 (qkv) Pingpong64
+//     (12.86 vs 17.82), wider (gate_up) SwapPingpong128x64 (34.43 vs 36.12).
+//   - M <= 256 (the decode steps of the throughput schedule, <= 176 sequences): N <= 4096
+//     Pingpong64 (o 12.58 vs 19.26 at 176, 13.27 vs 18.22 at 256; down 30.43 vs 36.60 at 176),
+//     else Coop128 (qkv 16.60 at 176; gate_up 53.3-53.6 for the best three at 176).
+//   - Above: Coop128 (M = 384: qkv 26.16 vs Pingpong64 30.94, gate_up 71.72 vs 88.23; 512, 2048,
+//     4096 within 1% of Coop128Mc, the best elsewhere), data-parallel or stream-K by CUTLASS's
 //     heuristic on the wave count.
-Config choose(int64_t m, int64_t n, int sm_count) {
-  if (m <= 64) return Config::kCoop128;
-  const int64_t tiles64 = (m + 63) / 64 * ((n + 127) / 128);
-  if (m <= 1024 && tiles64 >= 2 * static_cast<int64_t>(sm_count)) return Config::kPingpong64;
+Config choose(int64_t m, int64_t n, int64_t k) {
+  if (m <= 32) return Config::kSwapCoop128x16;
+  if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;
+  if (m <= 128) {
+    if (n <= 4096) return k <= 4096 ? Config::kSwapCoop128x32 : Config::kSwapCoop128x64;
+    return n <= 8192 ? Config::kPingpong64 : Config::kSwapPingpong128x64;
+  }
+  if (m <= 256 && n <= 4096) return Config::kPingpong64;
   return Config::kCoop128;
 }
 
 // The configuration's workspace size and run, by value: the configurations choose() returns (each
 // one instantiated costs minutes of nvcc; benchmarks/linear_fp8_ab reaches the others directly).
+template <class G>
+size_t workspace_of(const Call& c) { return G::workspace_size(c); }
 size_t config_workspace_size(Config config, const Call& c) {
-  return config == Config::kPingpong64 ? Pingpong64::workspace_size(c)
-                                       : Coop128::workspace_size(c);
+  switch (config) {
+    case Config::kPingpong64: return workspace_of<Pingpong64>(c);
+    case Config::kSwapCoop128x16: return workspace_of<SwapCoop128x16>(c);
+    case Config::kSwapCoop128x32: return workspace_of<SwapCoop128x32>(c);
+    case Config::kSwapCoop128x64: return workspace_of<SwapCoop128x64>(c);
+    case Config::kSwapPingpong128x64: return workspace_of<SwapPingpong128x64>(c);
+    default: return workspace_of<Coop128>(c);
+  }
 }
 cudaError_t run_config(Config config, const Call& c, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
-  return config == Config::kPingpong64 ? Pingpong64::run(c, workspace, workspace_bytes, stream)
-                                       : Coop128::run(c, workspace, workspace_bytes, stream);
+  switch (config) {
+    case Config::kPingpong64: return Pingpong64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x16: return SwapCoop128x16::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x32: return SwapCoop128x32::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x64: return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapPingpong128x64:
+      return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);
+    default: return Coop128::run(c, workspace, workspace_bytes, stream);
+  }
 }
 
 // Fills the call but its buffers; cudaErrorNotSupported off compute 9.0 (sm_90a code only).
@@ -316,7 +342,7 @@ cudaError_t make_call(int64_t m, int64_t n, int64_t k, int64_t scale_stride, Cal
   c.scale_stride = static_cast<int>(scale_stride);
   c.device = device;
   c.sm_count = d.num_sms;
-  config = choose(m, n, d.num_sms);
+  config = choose(m, n, k);
   return cudaSuccess;
 }
 

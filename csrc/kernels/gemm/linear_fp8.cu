@@ -2,8 +2,10 @@
 // its kernel, from the shape:
 //   - M == 1: the weight-streaming GEMV (linear_fp8_gemv.cu), which quantizes x itself: one launch.
 //   - M > 1: quantize_fp8 (quantize_fp8.cu) into the workspace, then
-//     - up to 8 tokens, or 16 where N < 16384 (fp8::tokens_gemv_fits): the same weight-streaming
-//       pass over every token at once (linear_fp8_gemv.cu: gemv_tokens);
+//     - up to 16 tokens where N < 16384 (fp8::tokens_gemv_fits): the same weight-streaming pass
+//       over every token at once (linear_fp8_gemv.cu: gemv_tokens); wider weights (gate_up) go
+//       to the GEMM from 2 tokens: its swapped 128 x 16 tile (wgmma reads e4m3 as stored) ran
+//       gate_up at T = 2..16 in 31.4-31.7 us against gemv_tokens' 35.7-42.9 (linear_fp8_ab);
 //     - above: the CUTLASS block-scaled GEMM (linear_fp8_sm90.cu).
 //   Measured (H200, Qwen3-8B projections, quantize_fp8 included, CUDA-graph replays; us):
 //   gemv_tokens at T = 2..8 qkv 14.3-14.8, o 12.4-12.7, gate_up 38.8-39.2, down 23.4-25.2; at

@@ -28,7 +28,8 @@ def test_rms_norm_fp8_is_the_norm_then_quantize_fp8(t, h):
 
 @pytest.mark.parametrize("t,h", [(1, 128), (9, 512), (4, 4096)])
 def test_fused_add_rms_norm_fp8_updates_the_residual_and_leaves_x(t, h):
-    x, r, w = torch.randn(t, h, dtype=BF16), torch.randn(t, h, dtype=BF16), torch.randn(h, dtype=BF16)
+    x, r = torch.randn(t, h, dtype=BF16), torch.randn(t, h, dtype=BF16)
+    w = torch.randn(h, dtype=BF16)
     x0, r0 = x.clone(), r.clone()
     q, s = qwen3_kernels.fused_add_rms_norm_fp8(x, r, w, 1e-6)
     normed, r_ref = qwen3_kernels.fused_add_rms_norm(x0.clone(), r0.clone(), w, 1e-6)

@@ -514,12 +514,19 @@ def plot_engine(plt, doc, path: Path):
             label = settings_label(r.get("settings"))
             for a, b in short:
                 label = label.replace(a, b)
+            if r.get("gpu") and r["gpu"] != doc.get("gpu"):  # a row from another GPU says so
+                label += f" [{r['gpu'].replace('NVIDIA ', '').split()[0]}]"
             labels.append(f"{r['model'].split(' (')[0].replace('Qwen3-', '')}: {label}")
         ys = range(len(rs))
         ax.barh(list(ys), vals, 0.7, label="ours")
         if any(r.get("baseline_tok_s") for r in rs):
             ax.barh([y + 0.35 for y in ys], [r.get("baseline_tok_s") or 0 for r in rs], 0.35,
-                    label="transformers")
+                    label="baseline in the same run")
+            for y, r in zip(ys, rs):
+                if r.get("baseline_tok_s"):
+                    ax.text(r["baseline_tok_s"], y + 0.35,
+                            f" {r.get('baseline', '')} {r['baseline_tok_s']:,.0f}", va="center",
+                            fontsize=5)
             ax.legend(fontsize=7)
         for y, v in zip(ys, vals):
             ax.text(v, y, f" {v:,.0f}", va="center", fontsize=6)

@@ -746,6 +746,14 @@ def quantize_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
     return out, x_scales
 
 
+def _check_x_scales(op, x_scales, t, k, device):
+    """fp32 scales [T, ceil(K/128)] on x's device, one per token per 128-group (any strides:
+    the producers write through both, the GEMM's reader checks its own layout)."""
+    _check_tensor(op, "x_scales", x_scales, ndim=2, dtype=torch.float32, device=device,
+                  last_contig=False)
+    _check_shape(op, "x_scales", x_scales, (t, -(-k // FP8_GROUP)))
+
+
 def _check_quantized_x(op, xq, x_scales):
     """An activation quantized for the FP8 projections: e4m3 [T, K] (contiguous, K % 16 == 0)
     and fp32 scales [T, ceil(K/128)] in the GEMM's token-contiguous layout
@@ -753,9 +761,7 @@ def _check_quantized_x(op, xq, x_scales):
     _check_tensor(op, "x", xq, ndim=2, dtype=torch.float8_e4m3fn)
     _check_contiguous(op, "x", xq)
     t, k = xq.shape
-    _check_tensor(op, "x_scales", x_scales, ndim=2, dtype=torch.float32, device=xq.device,
-                  last_contig=False)
-    _check_shape(op, "x_scales", x_scales, (t, -(-k // FP8_GROUP)))
+    _check_x_scales(op, x_scales, t, k, xq.device)
     if t > 0 and (x_scales.stride(0) != 1 or x_scales.stride(1) < t or x_scales.stride(1) % 4):
         _fail(op, "x_scales must be token-contiguous with a column stride >= T and a multiple "
                   f"of 4 (fp8_scales_buffer's layout), got strides {x_scales.stride()}")
@@ -829,9 +835,7 @@ def _quantized_out(op, checked, t, k, device, out, x_scales):
         _check_tensor(op, "out", out, ndim=2, dtype=torch.float8_e4m3fn, device=device)
         _check_contiguous(op, "out", out)
         _check_shape(op, "out", out, (t, k))
-        _check_tensor(op, "x_scales", x_scales, ndim=2, dtype=torch.float32, device=device,
-                      last_contig=False)
-        _check_shape(op, "x_scales", x_scales, (t, -(-k // FP8_GROUP)))
+        _check_x_scales(op, x_scales, t, k, device)
     return out, x_scales
 
 
@@ -888,8 +892,7 @@ def silu_and_mul_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
     checked = not _trusted()
     i = _gate_up_width(op, x, checked)
     out, x_scales = _quantized_out(op, checked, x.shape[0], i, x.device, out, x_scales)
-    ok = _fp8_producer_ok(x, i, out) and i % 16 == 0
-    _run(op, ok, out, x_scales, x)
+    _run(op, _fp8_producer_ok(x, i, out), out, x_scales, x)
     return out, x_scales
 
 

@@ -45,7 +45,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repository after PYTHONPATH: an A/B run may import another tree's qwen3_model / qwen3_kernels
+# (scripts/gpu_round.sh: ENGINE="PYTHONPATH=... --size 8B"), which a front entry would shadow.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402

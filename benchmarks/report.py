@@ -5,8 +5,9 @@
 
 Reads every benchmarks/results/<bench>.json (record.py says what is in one) and writes
   benchmarks/RESULTS.md            current tables only, each with its command, date, GPU, commit
-  benchmarks/plots/*.png           elementwise, attention_decode, attention_prefill, linear, engine,
-                                   serve (a plot whose JSON is absent is skipped)
+  benchmarks/plots/*.png           elementwise, attention_decode, attention_prefill, linear,
+                                   linear_fp8, engine, serve (a plot whose JSON is absent is
+                                   skipped)
   README.md                        the rows marked headline, between <!-- results:begin --> and
                                    <!-- results:end --> (left alone when the markers are absent)
 The tables need nothing beyond the standard library; the plots need matplotlib
@@ -436,6 +437,58 @@ def plot_linear(plt, doc, path: Path):
     return _save(fig, path)
 
 
+def plot_linear_fp8(plt, doc, path: Path):
+    """Left: the block-scaled GEMM at large M (TFLOP/s at each projection: ours with the
+    activation quantization, the GEMM alone, and every baseline of the row at the same FLOPs).
+    Right: the decode token counts, time per call (us) by T, ours against cuBLAS bf16."""
+    gemm = [r for r in doc.get("rows", []) if r.get("unit") == "TFLOP/s"]
+    decode = [r for r in doc.get("rows", []) if r.get("unit") == "TB/s" and r.get("size")]
+    if not gemm and not decode:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), squeeze=False)
+    ax = axes[0][0]
+    if gemm:
+        names = list(dict.fromkeys(b for r in gemm for b in r.get("baselines_us", {})))
+        series = [("ours (with quantize)", [r["ours_rate"] for r in gemm])]
+        if any(r.get("gemm_est_rate") for r in gemm):
+            series.append(("ours, GEMM alone", [r.get("gemm_est_rate") or 0 for r in gemm]))
+        for b in names:  # the same FLOPs: a baseline's rate is ours scaled by the time ratio
+            series.append((b, [r["ours_rate"] * r["ours_us"] / r["baselines_us"][b]
+                               if r.get("baselines_us", {}).get(b) else 0 for r in gemm]))
+        width = 0.8 / len(series)
+        xs = range(len(gemm))
+        for i, (label, vals) in enumerate(series):
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], vals, width, label=label)
+        bf16 = record.CEILINGS.get("TFLOP/s")
+        if bf16:
+            ax.axhline(bf16, color="gray", ls=":", lw=1.2,
+                       label=f"bf16 ceiling (cuBLAS 8192^3): {bf16:g} TFLOP/s")
+        ax.set_xticks(list(xs), [r["case"].replace(" K=", "\nK=") for r in gemm], rotation=45,
+                      ha="right", fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(0, 1.35 * max(max(v) for _, v in series))
+        ax.set_title("block-scaled FP8 GEMM, large M", fontsize=9)
+        ax.legend(fontsize=6, ncol=3, loc="upper left")
+    ax = axes[0][1]
+    projections = list(dict.fromkeys(" ".join(r["case"].split()[:2]) for r in decode))
+    for i, proj in enumerate(projections):
+        rs = sorted((r for r in decode if r["case"].startswith(proj + " ")),
+                    key=lambda r: r["size"])
+        xs = [r["size"] for r in rs]
+        ax.plot(xs, [r["ours_us"] for r in rs], "o-", color=f"C{i}", label=f"{proj} ours")
+        ax.plot(xs, [r.get("baseline_us") for r in rs], "x--", color=f"C{i}", alpha=0.6,
+                label=f"{proj} {rs[0].get('baseline') or 'baseline'}")
+    if projections:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("us per call (lower is faster)")
+        ax.set_ylim(bottom=0)
+        ax.set_title("decode token counts: FP8 weight streaming vs bf16", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"linear_fp8 ({_subtitle(doc)})", fontsize=10)
+    return _save(fig, path)
+
+
 def plot_engine(plt, doc, path: Path):
     """Horizontal bars, one per row: the workload rows' output tok/s and the batch-1 rows' decode
     tok/s in panels of their own (linear scales: the two differ by 100x), sorted by model."""
@@ -461,12 +514,19 @@ def plot_engine(plt, doc, path: Path):
             label = settings_label(r.get("settings"))
             for a, b in short:
                 label = label.replace(a, b)
+            if r.get("gpu") and r["gpu"] != doc.get("gpu"):  # a row from another GPU says so
+                label += f" [{r['gpu'].replace('NVIDIA ', '').split()[0]}]"
             labels.append(f"{r['model'].split(' (')[0].replace('Qwen3-', '')}: {label}")
         ys = range(len(rs))
         ax.barh(list(ys), vals, 0.7, label="ours")
         if any(r.get("baseline_tok_s") for r in rs):
             ax.barh([y + 0.35 for y in ys], [r.get("baseline_tok_s") or 0 for r in rs], 0.35,
-                    label="transformers")
+                    label="baseline in the same run")
+            for y, r in zip(ys, rs):
+                if r.get("baseline_tok_s"):
+                    ax.text(r["baseline_tok_s"], y + 0.35,
+                            f" {r.get('baseline', '')} {r['baseline_tok_s']:,.0f}", va="center",
+                            fontsize=5)
             ax.legend(fontsize=7)
         for y, v in zip(ys, vals):
             ax.text(v, y, f" {v:,.0f}", va="center", fontsize=6)
@@ -549,6 +609,8 @@ def plots(docs: dict[str, dict], plots_dir: Path) -> list[Path]:
                           plots_dir / "attention_prefill.png"))
     if "bench_linear" in docs:
         made.append(plot_linear(plt, docs["bench_linear"], plots_dir / "linear.png"))
+    if "bench_linear_fp8" in docs:
+        made.append(plot_linear_fp8(plt, docs["bench_linear_fp8"], plots_dir / "linear_fp8.png"))
     if "bench_engine" in docs:
         made.append(plot_engine(plt, docs["bench_engine"], plots_dir / "engine.png"))
     made.append(plot_serve(plt, docs, plots_dir / "serve.png"))

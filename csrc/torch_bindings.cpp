@@ -296,15 +296,70 @@ void quantize_fp8(at::Tensor& out, at::Tensor& x_scales, const at::Tensor& x) {
                op);
 }
 
+// The producers of the FP8 projections' quantized input (rms_norm_fp8, fused_add_rms_norm_fp8 in
+// norm.cu; silu_and_mul_fp8 in gemm/quantize_fp8.cu).
+void rms_norm_fp8(at::Tensor& out, at::Tensor& x_scales, const at::Tensor& x,
+                  const at::Tensor& weight, double eps) {
+  const char* op = "rms_norm_fp8";
+  const DType dt = half_dtype(x, op);
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::rms_norm_fp8(out.data_ptr(), x_scales.data_ptr<float>(),
+                                           x.data_ptr(), weight.data_ptr(), x.size(0), x.size(1),
+                                           x.stride(0), x_scales.stride(0), x_scales.stride(1),
+                                           static_cast<float>(eps), dt, stream()),
+               op);
+}
+
+void fused_add_rms_norm_fp8(at::Tensor& out, at::Tensor& x_scales, const at::Tensor& x,
+                            at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const char* op = "fused_add_rms_norm_fp8";
+  const DType dt = half_dtype(x, op);
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::fused_add_rms_norm_fp8(
+                   out.data_ptr(), x_scales.data_ptr<float>(), x.data_ptr(), residual.data_ptr(),
+                   weight.data_ptr(), x.size(0), x.size(1), x.stride(0), residual.stride(0),
+                   x_scales.stride(0), x_scales.stride(1), static_cast<float>(eps), dt, stream()),
+               op);
+}
+
+void silu_and_mul_fp8(at::Tensor& out, at::Tensor& x_scales, const at::Tensor& x) {
+  const char* op = "silu_and_mul_fp8";
+  const DType dt = half_dtype(x, op);
+  if (x.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(qwen3_kernels::silu_and_mul_fp8(out.data_ptr(), x_scales.data_ptr<float>(),
+                                               x.data_ptr(), x.size(0), out.size(1), x.stride(0),
+                                               x_scales.stride(0), x_scales.stride(1), dt,
+                                               stream()),
+               op);
+}
+
 // kernels/gemm/linear_fp8.cu picks the kernel from the shape; its workspace (the quantized
 // activations and their scales above one token) comes from the caching allocator on the current
-// stream, so the op stays CUDA-graph capturable.
+// stream, so the op stays CUDA-graph capturable. With x_scales, x is already quantized (e4m3,
+// the scales token-contiguous: x_scales.stride(0) == 1).
 void linear_fp8(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                const at::Tensor& weight_scale_inv) {
+                const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& x_scales) {
   const char* op = "linear_fp8";
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  if (x_scales.has_value()) {
+    if (m == 0) return;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const size_t ws_bytes = qwen3_kernels::linear_fp8_quantized_workspace_size(m, n, k);
+    at::Tensor ws;
+    if (ws_bytes > 0)
+      ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+    check_launch(qwen3_kernels::linear_fp8_quantized(
+                     out.data_ptr(), x.data_ptr(), x_scales->data_ptr<float>(),
+                     x_scales->stride(1), weight.data_ptr(), weight_scale_inv.data_ptr<float>(),
+                     m, n, k, ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes, stream()),
+                 op);
+    return;
+  }
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "qwen3_kernels.linear_fp8: the CUDA kernel runs "
               "bfloat16 activations, got ", c10::toString(x.scalar_type()));
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const size_t ws_bytes = qwen3_kernels::linear_fp8_workspace_size(m, n, k);
@@ -420,6 +475,9 @@ TORCH_LIBRARY_IMPL(qwen3_kernels, CUDA, m) {
   m.impl("linear_silu_and_mul", &linear_silu_and_mul);
   m.impl("quantize_fp8", &quantize_fp8);
   m.impl("linear_fp8", &linear_fp8);
+  m.impl("rms_norm_fp8", &rms_norm_fp8);
+  m.impl("fused_add_rms_norm_fp8", &fused_add_rms_norm_fp8);
+  m.impl("silu_and_mul_fp8", &silu_and_mul_fp8);
   m.impl("sample_tokens", &sample_tokens);
   m.impl("tp_all_reduce", &tp_all_reduce);
   m.impl("tp_all_reduce_add_rms_norm", &tp_all_reduce_add_rms_norm);

@@ -16,6 +16,7 @@ from .ops import (
     cuda_kernels_import_error,
     decode_workspace,
     fused_add_rms_norm,
+    fused_add_rms_norm_fp8,
     has_cuda_kernels,
     fp8_scales_buffer,
     linear_fp8,
@@ -26,8 +27,10 @@ from .ops import (
     qk_norm_rope,
     linear,
     rms_norm,
+    rms_norm_fp8,
     sample_tokens,
     silu_and_mul,
+    silu_and_mul_fp8,
     tp_all_reduce,
     tp_all_reduce_add_rms_norm,
     tp_all_reduce_buffer_bytes,
@@ -37,9 +40,11 @@ from .ops import (
 
 __all__ = [
     "BATCH_INVARIANT_MAX_CONTEXT", "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fp8_scales_buffer",
-    "fused_add_rms_norm", "has_cuda_kernels", "linear", "linear_fp8", "linear_silu_and_mul",
+    "fused_add_rms_norm", "fused_add_rms_norm_fp8", "has_cuda_kernels", "linear", "linear_fp8",
+    "linear_silu_and_mul",
     "paged_attention_decode", "paged_attention_prefill", "qk_norm_rope", "quantize_fp8",
-    "reference", "rms_norm", "sample_tokens", "silu_and_mul", "tp_all_reduce",
+    "reference", "rms_norm", "rms_norm_fp8", "sample_tokens", "silu_and_mul",
+    "silu_and_mul_fp8", "tp_all_reduce",
     "tp_all_reduce_add_rms_norm", "tp_all_reduce_buffer_bytes", "tp_gemv_push", "trusted_inputs",
 ]
 __version__ = "0.1.0"

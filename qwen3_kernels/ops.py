@@ -75,8 +75,17 @@ SCHEMAS = {
     "linear_silu_and_mul": "linear_silu_and_mul(Tensor! out, Tensor x, Tensor weight) -> ()",
     "quantize_fp8": "quantize_fp8(Tensor! out, Tensor! x_scales, Tensor x) -> ()",
     "linear_fp8": (
-        "linear_fp8(Tensor! out, Tensor x, Tensor weight, Tensor weight_scale_inv) -> ()"
+        "linear_fp8(Tensor! out, Tensor x, Tensor weight, Tensor weight_scale_inv, "
+        "Tensor? x_scales=None) -> ()"
     ),
+    "rms_norm_fp8": (
+        "rms_norm_fp8(Tensor! out, Tensor! x_scales, Tensor x, Tensor weight, float eps) -> ()"
+    ),
+    "fused_add_rms_norm_fp8": (
+        "fused_add_rms_norm_fp8(Tensor! out, Tensor! x_scales, Tensor x, Tensor! residual, "
+        "Tensor weight, float eps) -> ()"
+    ),
+    "silu_and_mul_fp8": "silu_and_mul_fp8(Tensor! out, Tensor! x_scales, Tensor x) -> ()",
     "sample_tokens": (
         "sample_tokens(Tensor! out, Tensor logits, Tensor temperatures, Tensor seed_keys) -> ()"
     ),
@@ -245,14 +254,20 @@ def _capability(index: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, 2I] -> out [T, I] = silu(x[:, :I]) * x[:, I:]. Rows of x and out may be strided."""
-    op = "silu_and_mul"
-    checked = not _trusted()
+def _gate_up_width(op, x, checked) -> int:
+    """I of a gate | up activation x [T, 2I] (checked: a float matrix with an even width)."""
     if checked:
         _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
     if x.shape[1] % 2:
         _fail(op, f"x's last dim must be even (2 * intermediate), got {x.shape[1]}")
+    return x.shape[1] // 2
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2I] -> out [T, I] = silu(x[:, :I]) * x[:, I:]. Rows of x and out may be strided."""
+    op = "silu_and_mul"
+    checked = not _trusted()
+    _gate_up_width(op, x, checked)
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
     if checked:
@@ -268,6 +283,12 @@ def _check_norm(op, x, weight, eps):
     _check_shape(op, "weight", weight, (x.shape[1],))
     if not (isinstance(eps, (int, float)) and eps > 0):
         _fail(op, f"eps must be a positive float, got {eps!r}")
+
+
+def _check_add_norm(op, x, residual, weight, eps):
+    _check_norm(op, x, weight, eps)
+    _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
+    _check_shape(op, "residual", residual, x.shape)
 
 
 def rms_norm(
@@ -294,11 +315,8 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual += x; x = rms_norm(residual). x, residual [T, H]; weight [H]."""
     op = "fused_add_rms_norm"
-    checked = not _trusted()
-    if checked:
-        _check_norm(op, x, weight, eps)
-        _check_tensor(op, "residual", residual, ndim=2, dtype=x.dtype, device=x.device)
-        _check_shape(op, "residual", residual, x.shape)
+    if not _trusted():
+        _check_add_norm(op, x, residual, weight, eps)
     _run(op, x.dtype in _KERNEL_DTYPES, x, residual, weight, float(eps), bool(batch_invariant))
     return x, residual
 
@@ -728,22 +746,47 @@ def quantize_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
     return out, x_scales
 
 
+def _check_quantized_x(op, xq, x_scales):
+    """An activation quantized for the FP8 projections: e4m3 [T, K] (contiguous, K % 16 == 0)
+    and fp32 scales [T, ceil(K/128)] in the GEMM's token-contiguous layout
+    (``fp8_scales_buffer``: strides (1, s), s >= T a multiple of 4)."""
+    _check_tensor(op, "x", xq, ndim=2, dtype=torch.float8_e4m3fn)
+    _check_contiguous(op, "x", xq)
+    t, k = xq.shape
+    _check_tensor(op, "x_scales", x_scales, ndim=2, dtype=torch.float32, device=xq.device,
+                  last_contig=False)
+    _check_shape(op, "x_scales", x_scales, (t, -(-k // FP8_GROUP)))
+    if t > 0 and (x_scales.stride(0) != 1 or x_scales.stride(1) < t or x_scales.stride(1) % 4):
+        _fail(op, "x_scales must be token-contiguous with a column stride >= T and a multiple "
+                  f"of 4 (fp8_scales_buffer's layout), got strides {x_scales.stride()}")
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None,
+               x_scales: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ dequant(weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/128),
     ceil(K/128)] fp32)^T -> out [T, N] in x's dtype, with x quantized per token per 128-group
     first (reference.linear_fp8). K a multiple of 16, N of 8. On Hopper with bf16 x the kernel
     csrc/kernels/gemm/linear_fp8.cu picks runs (the FP8 GEMV at one token, the same
     weight-streaming pass over a few tokens, the CUTLASS block-scaled GEMM above); other dtypes
-    and GPUs run the reference."""
+    and GPUs run the reference.
+
+    With ``x_scales``, x is already quantized (float8_e4m3fn [T, K] and its scales
+    [T, ceil(K/128)] in ``fp8_scales_buffer``'s layout, as rms_norm_fp8,
+    fused_add_rms_norm_fp8 and silu_and_mul_fp8 give them; reference.linear_fp8_quantized); out
+    is then bf16 unless given (the kernel writes bf16, the reference any float dtype)."""
     op = "linear_fp8"
     checked = not _trusted()
+    quantized = x_scales is not None
     if checked:
-        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+        if quantized:
+            _check_quantized_x(op, x, x_scales)
+        else:
+            _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+            _check_contiguous(op, "x", x)
         _check_tensor(op, "weight", weight, ndim=2, dtype=torch.float8_e4m3fn, device=x.device)
         _check_tensor(op, "weight_scale_inv", weight_scale_inv, ndim=2, dtype=torch.float32,
                       device=x.device)
-        _check_contiguous(op, "x", x)
         _check_contiguous(op, "weight", weight)
         _check_contiguous(op, "weight_scale_inv", weight_scale_inv)
     n, k = weight.shape
@@ -756,14 +799,98 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         _fail(op, f"weight_scale_inv must have shape {blocks} (one scale per 128 x 128 block of "
                   f"the [{n}, {k}] weight), got {tuple(weight_scale_inv.shape)}")
     if out is None:
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16 if quantized else x.dtype,
+                          device=x.device)
     if checked:
-        _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+        if quantized:
+            _check_tensor(op, "out", out, ndim=2, dtypes=_FLOAT_DTYPES, device=x.device)
+        else:
+            _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
         _check_contiguous(op, "out", out)
         _check_shape(op, "out", out, (x.shape[0], n))
         _check_aligned16(op, x=x, weight=weight, weight_scale_inv=weight_scale_inv, out=out)
-    _run(op, _fp8_kernel_ok(x), out, x, weight, weight_scale_inv)
+    if quantized:
+        ok = (x.is_cuda and out.dtype == torch.bfloat16
+              and _capability(x.device.index) == (9, 0))
+        _run(op, ok, out, x, weight, weight_scale_inv, x_scales)
+    else:
+        _run(op, _fp8_kernel_ok(x), out, x, weight, weight_scale_inv)
     return out
+
+
+def _quantized_out(op, checked, t, k, device, out, x_scales):
+    """The (out, x_scales) pair an FP8-producing op writes: allocated where not given (x_scales
+    in ``fp8_scales_buffer``'s layout), checked where given."""
+    if out is None:
+        out = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=device)
+    if x_scales is None:
+        x_scales = fp8_scales_buffer(t, k, device)
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=torch.float8_e4m3fn, device=device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, (t, k))
+        _check_tensor(op, "x_scales", x_scales, ndim=2, dtype=torch.float32, device=device,
+                      last_contig=False)
+        _check_shape(op, "x_scales", x_scales, (t, -(-k // FP8_GROUP)))
+    return out, x_scales
+
+
+def _fp8_producer_ok(x: torch.Tensor, k: int, *tensors: torch.Tensor) -> bool:
+    """Whether the fused FP8 producers' kernels cover the case (else the reference runs): a CUDA
+    16-bit x, K a multiple of 128 (whole groups), 16-byte aligned rows and tensors (addresses
+    unknown while torch.compile traces: the launcher refuses a misaligned one at run time)."""
+    if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and k % FP8_GROUP == 0):
+        return False
+    rows = (x, *(t for t in tensors if t.dim() == 2))
+    if any(t.stride(0) % 8 or t.stride(-1) != 1 for t in rows):
+        return False
+    return torch.compiler.is_compiling() or all(t.data_ptr() % 16 == 0 for t in (x, *tensors))
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None,
+                 x_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], weight [H] -> (out [T, H] float8_e4m3fn, x_scales [T, ceil(H/128)]):
+    quantize_fp8(rms_norm(x)) in one pass, the FP8 projections' input (``linear_fp8(out, ...,
+    x_scales=x_scales)``). Rows of x may be strided."""
+    op = "rms_norm_fp8"
+    checked = not _trusted()
+    if checked:
+        _check_norm(op, x, weight, eps)
+    out, x_scales = _quantized_out(op, checked, x.shape[0], x.shape[1], x.device, out, x_scales)
+    _run(op, _fp8_producer_ok(x, x.shape[1], weight, out), out, x_scales, x, weight, float(eps))
+    return out, x_scales
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None = None, x_scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x (in place; x is left as it is), then (out, x_scales) =
+    quantize_fp8(rms_norm(residual)): fused_add_rms_norm with its normalised rows quantized for
+    the FP8 projections instead of written back. x, residual [T, H]; weight [H]."""
+    op = "fused_add_rms_norm_fp8"
+    checked = not _trusted()
+    if checked:
+        _check_add_norm(op, x, residual, weight, eps)
+    out, x_scales = _quantized_out(op, checked, x.shape[0], x.shape[1], x.device, out, x_scales)
+    ok = _fp8_producer_ok(x, x.shape[1], weight, out, residual)
+    _run(op, ok, out, x_scales, x, residual, weight, float(eps))
+    return out, x_scales
+
+
+def silu_and_mul_fp8(x: torch.Tensor, out: torch.Tensor | None = None,
+                     x_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2I] -> (out [T, I] float8_e4m3fn, x_scales [T, ceil(I/128)]):
+    quantize_fp8(silu_and_mul(x)) in one pass, the FP8 down projection's input. Rows of x may
+    be strided."""
+    op = "silu_and_mul_fp8"
+    checked = not _trusted()
+    i = _gate_up_width(op, x, checked)
+    out, x_scales = _quantized_out(op, checked, x.shape[0], i, x.device, out, x_scales)
+    ok = _fp8_producer_ok(x, i, out) and i % 16 == 0
+    _run(op, ok, out, x_scales, x)
+    return out, x_scales
 
 
 # ----------------------------------------------------------------------------------------------
@@ -985,8 +1112,30 @@ def _ref_quantize_fp8(out, x_scales, x):
     x_scales.copy_(scales)
 
 
-def _ref_linear_fp8(out, x, weight, weight_scale_inv):
-    out.copy_(ref.linear_fp8(x, weight, weight_scale_inv))
+def _ref_linear_fp8(out, x, weight, weight_scale_inv, x_scales=None):
+    if x_scales is None:
+        out.copy_(ref.linear_fp8(x, weight, weight_scale_inv))
+    else:
+        out.copy_(ref.linear_fp8_quantized(x, x_scales, weight, weight_scale_inv))
+
+
+def _ref_rms_norm_fp8(out, x_scales, x, weight, eps):
+    q, scales = ref.rms_norm_fp8(x, weight, eps)
+    out.copy_(q)
+    x_scales.copy_(scales)
+
+
+def _ref_fused_add_rms_norm_fp8(out, x_scales, x, residual, weight, eps):
+    q, scales, new_residual = ref.fused_add_rms_norm_fp8(x, residual, weight, eps)
+    out.copy_(q)
+    x_scales.copy_(scales)
+    residual.copy_(new_residual)
+
+
+def _ref_silu_and_mul_fp8(out, x_scales, x):
+    q, scales = ref.silu_and_mul_fp8(x)
+    out.copy_(q)
+    x_scales.copy_(scales)
 
 
 def _ref_sample_tokens(out, logits, temperatures, seed_keys):
@@ -1010,6 +1159,9 @@ _REFERENCE_IMPLS = {
     "linear_silu_and_mul": _ref_linear_silu_and_mul,
     "quantize_fp8": _ref_quantize_fp8,
     "linear_fp8": _ref_linear_fp8,
+    "rms_norm_fp8": _ref_rms_norm_fp8,
+    "fused_add_rms_norm_fp8": _ref_fused_add_rms_norm_fp8,
+    "silu_and_mul_fp8": _ref_silu_and_mul_fp8,
     "sample_tokens": _ref_sample_tokens,
     "tp_all_reduce": _no_peers,
     "tp_all_reduce_add_rms_norm": _no_peers,

@@ -367,6 +367,35 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     return torch.matmul(xd, wd.t()).to(x.dtype)
 
 
+def linear_fp8_quantized(x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+                         weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """linear_fp8 on an activation quantized already (x_fp8 [T, K] float8_e4m3fn, x_scales
+    [T, ceil(K/128)], as quantize_fp8 gives them) -> [T, N] fp32, for the caller to round to its
+    output's dtype (linear_fp8 rounds to x's)."""
+    xd = dequantize_fp8(x_fp8, x_scales, 1)
+    wd = dequantize_fp8(weight, weight_scale_inv, FP8_GROUP)
+    return torch.matmul(xd, wd.t())
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8(rms_norm(x, weight, eps)): the norm in x's dtype, then quantized."""
+    return quantize_fp8(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (x_fp8, x_scales, x + residual): fused_add_rms_norm's normalised sum quantized."""
+    normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+    return (*quantize_fp8(normed), new_residual)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8(silu_and_mul(x)): the activation in x's dtype, then quantized."""
+    return quantize_fp8(silu_and_mul(x))
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 _M32 = 0xFFFFFFFF

@@ -5,6 +5,8 @@
 #   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
+#   (a matching extension in .prebuilt/, from scripts/prebuild.sh on a CPU machine and carried
+#   along, is installed instead of building: see that script)
 #   ENGINE="--size 8B --batch1;--size 8B --no-overlap-steps" bash scripts/gpu_round.sh
 #                         # bench_engine.py runs, ";"-separated (each its flags)
 #   ENGINE="--size 8B;PYTHONPATH=$PWD/scratch/b --size 8B" ...  # a run's leading NAME=value
@@ -35,7 +37,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 
-if ! python3 -c "import cutlass_library" 2>/dev/null; then
+# CUTLASS headers, for a build (a prebuilt extension, below, needs none)
+if ! python3 -c "import cutlass_library" 2>/dev/null && ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1
+then
   python3 -m pip install -q --no-index --no-deps .whl/nvidia_cutlass-*.whl || exit 1
 fi
 # the server's (FastAPI, uvicorn) and its tests' (openai) wheels, carried in .whl/ likewise
@@ -44,19 +48,47 @@ if ! python3 -c "import fastapi, uvicorn, openai" 2>/dev/null && ls .whl/fastapi
 then
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn openai || exit 1
 fi
+check_extension() {
+  (cd /tmp && python3 -c "import torch, qwen3_kernels as q
+assert q.has_cuda_kernels(), q.cuda_kernels_import_error()
+print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)")
+}
+# A prebuilt extension (scripts/prebuild.sh, carried in .prebuilt/) built from exactly this tree's
+# csrc/ and setup.py for this torch and TORCH_CUDA_ARCH_LIST: installed instead of building.
+prebuilt_matching() {
+  [ -d .prebuilt ] || return 1
+  local want h tv arch so s
+  want="$(bash scripts/sources_hash.sh) $(python3 -c 'import torch; print(torch.__version__)')"
+  want="$want $(echo ${TORCH_CUDA_ARCH_LIST:-8.0 9.0a} | tr ' ' ',')"
+  for s in .prebuilt/*.sources; do
+    [ -f "$s" ] || continue
+    read -r h tv arch so < "$s"
+    if [ "$h $tv $arch" = "$want" ]; then echo "${s%.sources}.so.xz qwen3_kernels/$so"; return 0; fi
+  done
+  return 1
+}
+built=0
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  start=$(date +%s)
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install --no-build-isolation --no-deps -e . \
-    >"$OUT/build.log" 2>&1
-  rc=$?
-  echo "build: rc=$rc in $(( $(date +%s) - start )) s"
-  if [ $rc -ne 0 ]; then
-    grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1
+  if pre=$(prebuilt_matching); then
+    read -r xz so <<< "$pre"
+    QWEN3_KERNELS_NO_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . \
+      >"$OUT/build.log" 2>&1 && python3 -c "import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as f, open(sys.argv[2], 'wb') as g: shutil.copyfileobj(f, g)" \
+      "$xz" "$so" && check_extension && built=1 && echo "build: prebuilt $xz"
+    [ $built = 1 ] || echo "build: prebuilt $xz did not load; building"
+  fi
+  if [ $built = 0 ]; then
+    start=$(date +%s)
+    MAX_JOBS=${MAX_JOBS:-$(nproc)} python3 -m pip install --no-build-isolation --no-deps -e . \
+      >"$OUT/build.log" 2>&1
+    rc=$?
+    echo "build: rc=$rc in $(( $(date +%s) - start )) s"
+    if [ $rc -ne 0 ]; then
+      grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1
+    fi
   fi
 fi
-(cd /tmp && python3 -c "import torch, qwen3_kernels as q
-assert q.has_cuda_kernels(), q.cuda_kernels_import_error()
-print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)") || exit 1
+[ $built = 1 ] || check_extension || exit 1
 
 TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)

@@ -145,3 +145,27 @@ def test_dummy_weights_for_an_fp8_config(tmp_path):
     outs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                         use_tqdm=False)
     assert len(outs[0].token_ids) == 4
+
+
+def test_the_decoder_quantizes_in_its_norms_and_silu_above_one_token(ckpts, monkeypatch):
+    """Above one token the FP8 projections get their input from rms_norm_fp8 /
+    fused_add_rms_norm_fp8 / silu_and_mul_fp8 (Fp8Activation), each of which linear_fp8's own
+    quantize_fp8 would otherwise repeat; at one token the 16-bit path (the GEMV quantizes)."""
+    import qwen3_kernels
+    from tests.paged_runner import PagedRunner
+
+    m8 = load_checkpoint(ckpts[0])
+    calls = {}
+    for name in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+        def counted(*args, _f=getattr(qwen3_kernels, name), _n=name, **kwargs):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(qwen3_kernels, name, counted)
+    layers = SHAPE["num_hidden_layers"]
+    runner = PagedRunner(m8, num_blocks=16, block_size=16, seed=1)
+    runner.step(prefills=[(0, list(range(1, 14)))])  # 13 tokens
+    assert calls == {"rms_norm_fp8": 1, "fused_add_rms_norm_fp8": 2 * layers - 1,
+                     "silu_and_mul_fp8": layers}, calls
+    calls.clear()
+    runner.step(decodes=[(0, 5)])  # one token
+    assert calls == {}, calls

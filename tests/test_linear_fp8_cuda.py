@@ -1,6 +1,6 @@
 """CUDA: linear_fp8 above one token (quantize_fp8 into the op's workspace, then the
-weight-streaming pass over a few tokens of csrc/kernels/gemm/linear_fp8_gemv.cu up to T = 8, or
-16 where N < 16384, else the CUTLASS block-scaled GEMM of linear_fp8_sm90.cu) vs the fp32 spec.
+weight-streaming pass over a few tokens of csrc/kernels/gemm/linear_fp8_gemv.cu up to T = 16
+where N < 16384, else the CUTLASS block-scaled GEMM of linear_fp8_sm90.cu) vs the fp32 spec.
 
 The spec is reference.linear_fp8's own steps kept in fp32: want = dequant(quantize_fp8(x)) @
 dequant(weight)^T. The kernel quantizes x to the same e4m3 values and scales (quantize_fp8 is
@@ -52,10 +52,11 @@ SIZES = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")
 SHAPES = {f"{s}-tp{tp}-{p}": nk for s in SIZES for tp in (1, 2)
           for p, nk in _projection_shapes(s, tp).items()}
 SMALL_T = (2, 3, 8, 9, 16, 17, 64, 129)
-# Every shape at the small T (the few-token pass: one tile of 8 tokens at T <= 8, two at 9..16
-# where N < 16384; stream-K at T <= 64, then the 64-row ping-pong tiles where they
-# fill the SMs twice: e.g. T = 129 on gate_up); T = 4096 (the 128 x 128 cooperative tiles,
-# data-parallel or stream-K by the wave count) on the 8B and 32B shapes, both TP degrees.
+# Every shape at the small T (the few-token pass where N < 16384: one tile of 8 tokens at T <= 8,
+# two at 9..16; the GEMM's swapped 128 x 16 / 32 tiles up to T = 64 and from T = 2 on wider
+# weights, then by projection the swapped 128 x 32 / 64 or 64-row ping-pong tiles: T = 129);
+# T = 4096 (the 128 x 128 cooperative tiles, data-parallel or stream-K by the wave count) on the
+# 8B and 32B shapes, both TP degrees.
 CASES = [(name, t) for name in SHAPES for t in SMALL_T]
 CASES += [(name, 4096) for name in SHAPES if name.startswith(("8B", "32B"))]
 # K not a multiple of 128 (a partial last group: TMA zero-fills it), N not a multiple of 128 (a

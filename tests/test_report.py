@@ -49,6 +49,17 @@ def _write_results(record, results):
         lin += rows("linear", "TFLOP/s", [4096], 1e-7, 1e-7, "cublas", 5e7, 4096,
                     case=lambda t, m=model: f"{m} qkv N=6144 K=4096 T={t}")
     record.write("bench_linear", lin, results)
+    fp8 = []
+    for proj in ("qkv", "o"):
+        for t in (1, 16):
+            fp8.append(record.kernel_row("linear_fp8", f"8B {proj} N=4096 K=4096 T={t}", 1e-5,
+                                         {"cublas_bf16": 1.4e-5}, nbytes=1.7e7, size=t,
+                                         size_name="M"))
+        row = record.kernel_row("linear_fp8", f"8B {proj} N=4096 K=4096 M=4096", 1.4e-4,
+                                {"cublas_bf16": 2e-4, "scaled_mm_blockwise": 1.5e-4},
+                                flops=1.4e14, size=4096, size_name="M")
+        fp8.append(dict(row, gemm_est_rate=1100.0, gemm_est_us=127.0, quantize_us=13.0))
+    record.write("bench_linear_fp8", fp8, results)
     bench = _benchmark_module("bench_engine")
 
     class Args:  # bench_engine's argparse namespace, as far as engine_row reads it
@@ -112,7 +123,7 @@ def test_plots(tmp_path, modules):
                  "--readme", str(tmp_path / "none.md"), "--plots-dir", str(plots)])
     names = sorted(p.name for p in plots.glob("*.png"))
     assert names == ["attention_decode.png", "attention_prefill.png", "elementwise.png",
-                     "engine.png", "linear.png"]
+                     "engine.png", "linear.png", "linear_fp8.png"]
     assert all((plots / n).read_bytes()[:4] == b"\x89PNG" for n in names)
     # a plot whose JSON is absent is skipped
     (results / "bench_linear.json").unlink()

@@ -19,6 +19,7 @@
 
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/launch.cuh"
+#include "qwen3_kernels/silu.cuh"  // silu_mul8
 
 namespace qwen3_kernels {
 namespace {
@@ -79,39 +80,6 @@ struct FastDiv {
   }
   __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
 };
-
-// Two halves <-> two floats in one conversion instruction each way.
-template <typename T>
-struct Pair;
-template <>
-struct Pair<__half> {
-  using type = __half2;
-  static __device__ __forceinline__ float2 to(type v) { return __half22float2(v); }
-  static __device__ __forceinline__ type from(float2 f) { return __float22half2_rn(f); }
-};
-template <>
-struct Pair<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static __device__ __forceinline__ float2 to(type v) { return __bfloat1622float2(v); }
-  static __device__ __forceinline__ type from(float2 f) { return __float22bfloat162_rn(f); }
-};
-
-template <typename T>
-__device__ __forceinline__ Vec8<T> silu_mul8(const Vec8<T>& gate, const Vec8<T>& up) {
-  using P = Pair<T>;
-  const auto* g2 = reinterpret_cast<const typename P::type*>(gate.v);
-  const auto* u2 = reinterpret_cast<const typename P::type*>(up.v);
-  Vec8<T> r;
-  auto* r2 = reinterpret_cast<typename P::type*>(r.v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 g = P::to(g2[i]), u = P::to(u2[i]);
-    // silu(g) * u; __fdividef: the divisor is >= 1 (or inf, giving the right limit 0).
-    r2[i] = P::from(make_float2(__fdividef(g.x, 1.0f + __expf(-g.x)) * u.x,
-                                __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y));
-  }
-  return r;
-}
 
 // Vector v of the flat index space [0, T * I/8) is row v / (I/8), column vector v % (I/8). A CTA
 // owns blockDim.x * kVecs consecutive vectors (thread t: t, t + blockDim.x, ...), so CTAs that run

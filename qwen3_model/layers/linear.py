@@ -14,10 +14,13 @@ FP8 (``quantization="fp8"``, Qwen3-*-FP8 checkpoints): ``weight`` is float8_e4m3
 in_local] and ``weight_scale_inv`` fp32 [ceil(out_local/128), ceil(in_local/128)], one scale per
 128 x 128 block, sharded with its weight (the loaders slice it in blocks); the projection runs
 ``qwen3_kernels.linear_fp8``. A shard or fused-part boundary inside a 128 block cannot be split
-that way: the layer refuses it when it is built.
+that way: the layer refuses it when it is built. Its input may come quantized already
+(``Fp8Activation``: the decoder's norms and silu_and_mul produce it above one token).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +49,18 @@ FP8_BLOCK = qwen3_kernels.reference.FP8_GROUP  # rows and columns of a weight_sc
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+class Fp8Activation(NamedTuple):
+    """An activation quantized for the FP8 projections by the op that produced it
+    (qwen3_kernels.rms_norm_fp8, fused_add_rms_norm_fp8, silu_and_mul_fp8): float8_e4m3fn values
+    [T, K] and fp32 scales [T, ceil(K/128)] in the GEMM's layout (fp8_scales_buffer), and the
+    dtype it had (the projection's output dtype). The same numbers linear_fp8 would make of the
+    activation, without its own quantizing pass."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear one row at a time, each row a fresh [1, in] tensor: every row goes through the
@@ -57,14 +72,20 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale_inv: torch.Tensor | None = None,
+def linear(x: torch.Tensor | Fp8Activation, weight: torch.Tensor,
+           bias: torch.Tensor | None = None, weight_scale_inv: torch.Tensor | None = None,
            batch_invariant: bool = False) -> torch.Tensor:
     """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out]: the linear op where
     ``_runs_op``, F.linear otherwise. With ``weight_scale_inv`` [ceil(out/128), ceil(in/128)]
-    the weight is FP8 and linear_fp8 runs (its reference where its kernel does not).
-    ``batch_invariant``: each row's result does not depend on T (the deterministic mode; not
-    with FP8 weights, which the engine refuses in that mode)."""
+    the weight is FP8 and linear_fp8 runs (its reference where its kernel does not), on x
+    itself or, an ``Fp8Activation``, on its quantized values. ``batch_invariant``: each row's
+    result does not depend on T (the deterministic mode; not with FP8 weights, which the engine
+    refuses in that mode)."""
+    if isinstance(x, Fp8Activation):
+        out = torch.empty(x.values.shape[0], weight.shape[0], dtype=x.dtype,
+                          device=x.values.device)
+        qwen3_kernels.linear_fp8(x.values, weight, weight_scale_inv, out=out, x_scales=x.scales)
+        return out.add_(bias) if bias is not None else out
     if weight_scale_inv is not None:
         out = qwen3_kernels.linear_fp8(x.contiguous(), weight, weight_scale_inv)
         return out.add_(bias) if bias is not None else out

@@ -24,9 +24,11 @@ from qwen3_model.layers.attention import Attention
 from qwen3_model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from qwen3_model.layers.layernorm import RMSNorm
 from qwen3_model.layers.linear import (
+    Fp8Activation,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    linear,
     linear_silu_and_mul,
 )
 from qwen3_model.layers.rotary import RotaryEmbedding, rope_parameters
@@ -93,7 +95,8 @@ class Qwen3Attention(nn.Module):
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+    def forward(self, positions: torch.Tensor,
+                x: torch.Tensor | Fp8Activation) -> torch.Tensor:  # x [T, hidden]
         qkv = self.qkv_proj(x)
         o = self.attn(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin_cache)
         return self.o_proj(o)
@@ -109,9 +112,13 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, config.hidden_size, reduce_results=False,  # as o_proj
                                            quantization=quantization, name="down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        # silu_and_mul(gate_up_proj(x)), fused into the GEMV where that runs
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:  # x [T, hidden]
         gu = self.gate_up_proj
+        if isinstance(x, Fp8Activation):  # FP8 above one token: silu_and_mul quantizes too
+            gate_up = linear(x, gu.weight, gu.bias, gu.weight_scale_inv)  # [T, 2I]
+            h = qwen3_kernels.silu_and_mul_fp8(gate_up)
+            return self.down_proj(Fp8Activation(*h, gate_up.dtype))
+        # silu_and_mul(gate_up_proj(x)), fused into the GEMV where that runs
         h = linear_silu_and_mul(x, gu.weight, gu.bias, gu.weight_scale_inv,
                                 gu.batch_invariant)  # [T, I]
         return self.down_proj(h)
@@ -124,19 +131,30 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config, quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # FP8 projections on one rank: above one token the norms and silu_and_mul hand them
+        # their input quantized (Fp8Activation), one pass each instead of linear_fp8's own
+        # quantize_fp8 launch; at one token the FP8 GEMV quantizes x itself. Under tensor
+        # parallelism the norms are fused with the all-reduce instead.
+        self.fp8_activations = quantization == "fp8" and get_tp_world_size() == 1
 
     def forward(self, positions, hidden, residual):
         """hidden [T, H]; residual [T, H] or None (first layer: hidden is the embedding). Returns
         the pre-norm pair for the next layer: the MLP's output is still this rank's partial sum
         (o_proj and down_proj do not reduce): the all-reduce and the residual add are fused into
         the next norm (``all_reduce_x``)."""
+        fp8 = self.fp8_activations and hidden.shape[0] > 1
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, fp8_out=fp8)
+        elif fp8:
+            hidden, residual = self.input_layernorm(hidden, residual, fp8_out=True)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, all_reduce_x=True)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce_x=True)
+        if fp8:
+            hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_out=True)
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce_x=True)
         return self.mlp(hidden), residual
 
 

@@ -183,6 +183,39 @@ cudaError_t linear_fp8(void* out,                      // [M, N] bf16
                        void* workspace,  // linear_fp8_workspace_size(m, n, k) bytes, any content
                        size_t workspace_bytes, cudaStream_t stream);
 
+// The same with x already quantized (xq e4m3 [M, K], x_scales token-contiguous: scale (t, g) at
+// x_scales[g * scale_stride + t], scale_stride >= M and a multiple of 4): the weight-streaming pass
+// up to a few tokens (linear_fp8.cu), the CUTLASS GEMM above.
+size_t linear_fp8_quantized_workspace_size(int64_t m, int64_t n, int64_t k);
+cudaError_t linear_fp8_quantized(void* out,                      // [M, N] bf16
+                                 const void* xq,                 // [M, K] e4m3
+                                 const float* x_scales,          // [ceil(K/128), scale_stride]
+                                 int64_t scale_stride,
+                                 const void* w,                  // [N, K] e4m3
+                                 const float* weight_scale_inv,  // [ceil(N/128), ceil(K/128)]
+                                 int64_t m, int64_t n, int64_t k,
+                                 void* workspace,  // linear_fp8_quantized_workspace_size bytes
+                                 size_t workspace_bytes, cudaStream_t stream);
+
+// The producers of a quantized x (the FP8 projections' input in one pass, quantize_fp8's values bit
+// for bit): rms_norm_fp8 = quantize_fp8(rms_norm(x)); fused_add_rms_norm_fp8: residual += x (x is
+// left as it is) and out = quantize_fp8(rms_norm(residual)) (norm.cu; H % 128 == 0, 16-byte
+// aligned rows); silu_and_mul_fp8 = quantize_fp8(silu_and_mul(x)) (gemm/quantize_fp8.cu; x
+// [T, 2I], I % 16 == 0). out [T, H] e4m3 contiguous; x_scales[t, g] at x_scales + t *
+// scale_stride_t + g * scale_stride_g.
+cudaError_t rms_norm_fp8(void* out, float* x_scales, const void* x, const void* weight,
+                         int64_t num_tokens, int64_t hidden, int64_t x_stride,
+                         int64_t scale_stride_t, int64_t scale_stride_g, float eps, DType dtype,
+                         cudaStream_t stream);
+cudaError_t fused_add_rms_norm_fp8(void* out, float* x_scales, const void* x, void* residual,
+                                   const void* weight, int64_t num_tokens, int64_t hidden,
+                                   int64_t x_stride, int64_t residual_stride,
+                                   int64_t scale_stride_t, int64_t scale_stride_g, float eps,
+                                   DType dtype, cudaStream_t stream);
+cudaError_t silu_and_mul_fp8(void* out, float* x_scales, const void* x, int64_t num_tokens,
+                             int64_t intermediate, int64_t x_stride, int64_t scale_stride_t,
+                             int64_t scale_stride_g, DType dtype, cudaStream_t stream);
+
 // ---- custom_all_reduce.cu --------------------------------------------------------------------
 // One-shot tensor-parallel all-reduce over peer (NVLink) memory: s = sum over ranks of x in rank
 // order (fp32, rounded to the dtype); add_rms_norm: residual += s, x = rms_norm(residual) * weight,

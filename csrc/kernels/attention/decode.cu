@@ -92,12 +92,17 @@
 // free.
 //
 // FP8 cache (KV = uint8_t: e4m3 K/V with per-layer scales, launchers.h KvCache): the cp.async
-// pipeline carries the e4m3 bytes (half the bytes of a 16-bit tile: 16-byte chunks of 16 keys'
-// dims), and after its tile lands each lane widens the chunks it copied itself to fp16 into the
-// warp's one converted [K | V] tile (the same swizzled layout the 16-bit path reads), which the
-// ldmatrix / mma code then reads unchanged, in fp16: e4m3 -> fp16 is exact, and Q is turned into
-// fp16 once (exact in fp16's normal range). k_scale is folded into the softmax scale and v_scale
-// into the output's normalisation.
+// pipeline carries the e4m3 bytes at the 16-bit cache's stage count (half its shared memory, so
+// more CTAs a SM), and each lane reads its mma fragments' bytes straight from the landed tile and
+// widens them to fp16 in registers (fp8_qk / fp8_pv: e4m3 -> fp16 is exact, the dims taken in an
+// order that makes a lane's bytes contiguous). Q is turned into fp16 once (exact in fp16's normal
+// range). k_scale is folded into the softmax scale and v_scale into the output's normalisation.
+// Measured (H200, benchmarks/decode_ab, CUDA-graph replays, Qwen3-8B heads, blocks of 16, us)
+// against the earlier converted-tile path: B=176 x 100..2047 keys (the 8B workload's decode step)
+// 110.9 vs 175.7, B=128 x 1k 76.9 vs 108.8, B=16 x 2k 21.3 vs 31.0, B=1 x 32k 23.5 vs 33.6, B=32 x
+// 4k 77.2 vs 101.8, the batch-invariant launch at B=176 134.0 vs 171.8; outputs within a few
+// bf16 ulps of it. Twice the stages in the same shared memory won at B=32 x 4k (66.8) and lost
+// elsewhere (120.1 / 83.0 / 23.1 / 25.2 / 135.4 on the shapes above).
 //
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
 // arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so
@@ -138,12 +143,10 @@ struct Shape {
   static constexpr int kStages = kStages_;
   static constexpr int kTilesPerWarpChunk = kTilesPerWarpChunk_;
   static constexpr int kThreads = kWarps * 32;
-  // Per warp: kStages stages of [K | V] tiles in the cache's element type, and for an fp8 cache one
-  // more [K | V] tile of fp16 (the converted tile the mma reads).
+  // Per warp: kStages stages of [K | V] tiles in the cache's element type.
   template <typename KV>
   static constexpr int warp_bytes() {
-    return kStages * kStageElems * static_cast<int>(sizeof(KV)) +
-           (sizeof(KV) == 1 ? kStageElems * 2 : 0);
+    return kStages * kStageElems * static_cast<int>(sizeof(KV));
   }
   static constexpr int kMergeBytes = (kWarps * kRows * kMergeStride + 2 * kWarps * kRows) * 4;
   template <typename KV>
@@ -202,6 +205,82 @@ struct DecodeParams {
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [16][128] tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// ---- fp8 cache: tiles straight into mma fragments ----------------------------------------------
+//
+// An e4m3 tile is [16 keys][128 bytes]. No ldmatrix reads bytes as mma fragments, so each lane
+// reads 16-byte chunks with plain loads and widens them in registers (e4m3 -> f16 is exact), and
+// the fragments take the dims in an order that makes those chunks contiguous:
+//   - S = Q K^T (fp8_qk): lane (g, t) holds key g (+8) at dims 64 h + 16 t .. + 15 (h = 0, 1),
+//     and these feed k-steps 4 h .. 4 h + 3: k-step m = 4 h + mm takes dims 64 h + 16 t + 4 mm
+//     + 0, 1 as the fragment's k = 2 t, 2 t + 1 and + 2, 3 as k = 2 t + 8, 2 t + 9. Q's fragments
+//     are loaded in the same order (fp8_dim), so every product meets its partner: the same dot
+//     products.
+//   - O += P V (fp8_pv): lane (g, t) reads keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9 at dims 16 g ..
+//     + 15, and n-tile j's column n is dim 16 n + j, so the lane's column g of the 16 n-tiles is
+//     its own 16 bytes; byte permutes pair keys 2 t, 2 t + 1 (and 2 t + 8, 2 t + 9) of one dim.
+//     O's fragment o[j][e] is then row g (e < 2) or g + 8, dim 32 t + 16 (e & 1) + j.
+// Chunk c of row r is stored at chunk c ^ (r & 6) ^ (4 (r & 1)): the 8 lanes of each quarter-warp
+// read 8 different bank groups, in fp8_qk (rows g, g + 1 at chunks 4 h + t) and in fp8_pv (rows
+// 2 t (+1, +8, +9) at chunk g), and the cp.async writes (8 lanes a row) stay conflict-free.
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled e4m3 [16][128] tile.
+__device__ __forceinline__ int swz8(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row & 6) ^ ((row & 1) << 2)) << 4);
+}
+
+// The dim of Q's A-fragment pair at k-step ks, half hk (k = 2 t or 2 t + 8) for an fp8 cache.
+__device__ __forceinline__ int fp8_dim(int ks, int hk, int t) {
+  return 64 * (ks >> 2) + 16 * t + 4 * (ks & 3) + 2 * hk;
+}
+
+// s[nt] += Q (qa: f16 A fragments in fp8_dim's order) x K^T of keys 8 nt .. 8 nt + 7 of the e4m3
+// K tile k8.
+__device__ __forceinline__ void fp8_qk(float (&s)[2][4], const uint32_t (&qa)[8][4],
+                                       const uint8_t* k8, int g, int t) {
+  uint4 w[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      w[nt][h] = *reinterpret_cast<const uint4*>(k8 + swz8(8 * nt + g, 4 * h + t));
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t words[4] = {w[nt][h].x, w[nt][h].y, w[nt][h].z, w[nt][h].w};
+#pragma unroll
+      for (int mm = 0; mm < 4; ++mm) {
+        uint32_t b0, b1;  // dims + 0, 1 (k = 2 t, 2 t + 1) and + 2, 3 (k = 2 t + 8, 2 t + 9)
+        fp8::e4m3x4_to_half2x2(words[mm], b0, b1);
+        mma_16816<__half>(s[nt], qa[4 * h + mm], b0, b1);
+      }
+    }
+  }
+}
+
+// o[j] += P (pa: f16 A fragment over the tile's 16 keys) x V of the e4m3 V tile v8, n-tile j's
+// column n being dim 16 n + j.
+__device__ __forceinline__ void fp8_pv(float (&o)[16][4], const uint32_t (&pa)[4],
+                                       const uint8_t* v8, int g, int t) {
+  const uint4 a = *reinterpret_cast<const uint4*>(v8 + swz8(2 * t, g));
+  const uint4 b = *reinterpret_cast<const uint4*>(v8 + swz8(2 * t + 1, g));
+  const uint4 c = *reinterpret_cast<const uint4*>(v8 + swz8(2 * t + 8, g));
+  const uint4 d = *reinterpret_cast<const uint4*>(v8 + swz8(2 * t + 9, g));
+  const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+  const uint32_t cw[4] = {c.x, c.y, c.z, c.w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // dims 16 g + 4 q .. + 3: n-tiles 4 q .. 4 q + 3
+    // [key 2t, key 2t + 1] byte pairs of dims +0, +1 and +2, +3 (the lower key in the lower byte)
+    uint32_t b0[4], b1[4];
+    fp8::e4m3x4_to_half2x2(__byte_perm(aw[q], bw[q], 0x5140), b0[0], b0[1]);
+    fp8::e4m3x4_to_half2x2(__byte_perm(aw[q], bw[q], 0x7362), b0[2], b0[3]);
+    fp8::e4m3x4_to_half2x2(__byte_perm(cw[q], dw[q], 0x5140), b1[0], b1[1]);
+    fp8::e4m3x4_to_half2x2(__byte_perm(cw[q], dw[q], 0x7362), b1[2], b1[3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mma_16816<__half>(o[4 * q + e], pa, b0[e], b1[e]);
+  }
 }
 
 // ---- split weights ------------------------------------------------------------------------------
@@ -392,7 +471,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     return tile_begin + warp + i * kWarps;
   };
 
-  // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero.
+  // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero. An fp8 cache's k-steps
+  // take the dims in fp8_qk's order (the same permutation for Q and K: the same dot products).
   const T* q = static_cast<const T*>(p.q) +
                (kMulti ? 0 : (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim);
   uint32_t qa[8][4];
@@ -401,7 +481,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int row = g + (r & 1) * 8;
-      const int col = ks * 16 + (r >> 1) * 8 + 2 * t;
+      const int col = kFp8 ? fp8_dim(ks, r >> 1, t) : ks * 16 + (r >> 1) * 8 + 2 * t;
       const uint32_t w =
           row < rows ? *reinterpret_cast<const uint32_t*>(
                            q + (kMulti ? row_bh(row) * kHeadDim : row * kHeadDim) + col)
@@ -410,9 +490,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     }
   }
 
-  // Per-warp cp.async pipeline (and, for an fp8 cache, the converted tile after its stages).
+  // Per-warp cp.async pipeline.
   uint8_t* pipe = smem + warp * S::template warp_bytes<KV>();
-  M* conv = reinterpret_cast<M*>(pipe + kStages * kStageBytes);
   const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;  // between keys
   const int64_t block_stride = row_stride * p.block_size;
@@ -444,9 +523,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
       const int row = lane_row + kRowsPerPass * j;
       const bool valid = key0 + row < seq_len;
       const int64_t off = base + (valid ? row : 0) * row_stride;
-      // 16-bit tiles are swizzled for ldmatrix; fp8 staging rows are plain (each lane reads back
-      // only its own chunks, 8 lanes covering one 128-byte row: no bank conflict).
-      const int dst = kFp8 ? row * kHeadDim + lane_chunk * 16 : swz(row, lane_chunk) * 2;
+      // 16-bit tiles are swizzled for ldmatrix, fp8 ones for fp8_qk's and fp8_pv's reads.
+      const int dst = kFp8 ? swz8(row, lane_chunk) : swz(row, lane_chunk) * 2;
       cp_async_16(smem_addr(ks + dst), k_head + off, valid);
       cp_async_16(smem_addr(vs + dst), v_head + off, valid);
     }
@@ -459,7 +537,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   }
   int next_block = block_of(kStages - 1);
 
-  float o[16][4];  // O accumulator: dims 8j + 2t (+1), rows g and g + 8
+  float o[16][4];  // O accumulator: rows g and g + 8, dims 8j + 2t (+1) (fp8: see fp8_pv)
 #pragma unroll
   for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY;  // running max of rows g, g + 8 (scaled, base 2)
@@ -474,33 +552,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     }
     cp_async_commit();
 
-    const M* ks = reinterpret_cast<const M*>(pipe + (i % kStages) * kStageBytes);
-    if constexpr (kFp8) {
-      // Widen the chunks this lane copied (landed: its own cp.async groups) into the converted
-      // tile; the warp's tile i - 1 reads of it are done (the __syncwarp above).
-      const uint8_t* k8 = pipe + (i % kStages) * kStageBytes;
-#pragma unroll
-      for (int j = 0; j < kTileKeys / kRowsPerPass; ++j) {
-        const int row = lane_row + kRowsPerPass * j;
-#pragma unroll
-        for (int kv = 0; kv < 2; ++kv) {
-          uint4 lo, hi;
-          fp8::e4m3x16_to_half(
-              *reinterpret_cast<const uint4*>(k8 + kv * kTileElems + row * kHeadDim +
-                                              lane_chunk * 16),
-              lo, hi);
-          *reinterpret_cast<uint4*>(conv + kv * kTileElems + swz(row, 2 * lane_chunk)) = lo;
-          *reinterpret_cast<uint4*>(conv + kv * kTileElems + swz(row, 2 * lane_chunk + 1)) = hi;
-        }
-      }
-      __syncwarp();
-      ks = conv;
-    }
-    const M* vs = ks + kTileElems;
+    const uint8_t* tile = pipe + (i % kStages) * kStageBytes;  // [K | V]
 
-    // S = Q K^T for 16 keys: two n8 tiles. ldmatrix matrices: (keys 0-7 | 8-15) x (dims lo | hi).
+    // S = Q K^T for 16 keys: two n8 tiles.
     float s[2][4] = {};
-    {
+    if constexpr (kFp8) {
+      fp8_qk(s, qa, tile, g, t);
+    } else {
+      // ldmatrix matrices: (keys 0-7 | 8-15) x (dims lo | hi).
+      const M* ks = reinterpret_cast<const M*>(tile);
       const int key = (lane & 7) + ((lane >> 4) << 3);
       const int hi = (lane >> 3) & 1;
 #pragma unroll
@@ -565,8 +625,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     pa[1] = pack2<M>(s[0][2], s[0][3]);
     pa[2] = pack2<M>(s[1][0], s[1][1]);
     pa[3] = pack2<M>(s[1][2], s[1][3]);
-    {
+    if constexpr (kFp8) {
+      fp8_pv(o, pa, tile + kTileElems, g, t);
+    } else {
       // ldmatrix.trans matrices: (keys 0-7 | 8-15) x (dims 16n .. +7 | 16n + 8 .. +15).
+      const M* vs = reinterpret_cast<const M*>(tile) + kTileElems;
       const int key = (lane & 7) + (((lane >> 3) & 1) << 3);
       const int hi = lane >> 4;
 #pragma unroll
@@ -593,10 +656,26 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   {
     float* r0 = so + (warp * kRows + g) * kMergeStride + 2 * t;
     float* r1 = r0 + 8 * kMergeStride;
+    if constexpr (kFp8) {
+      // o[j][e]: dim 32 t + 16 (e & 1) + j (fp8_pv), so four j are four consecutive dims
+      float* f0 = so + (warp * kRows + g) * kMergeStride + 32 * t;
+      float* f1 = f0 + 8 * kMergeStride;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      *reinterpret_cast<float2*>(r0 + 8 * j) = make_float2(o[j][0], o[j][1]);
-      *reinterpret_cast<float2*>(r1 + 8 * j) = make_float2(o[j][2], o[j][3]);
+      for (int j = 0; j < 16; j += 4) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          *reinterpret_cast<float4*>(f0 + 16 * e + j) =
+              make_float4(o[j][e], o[j + 1][e], o[j + 2][e], o[j + 3][e]);
+          *reinterpret_cast<float4*>(f1 + 16 * e + j) =
+              make_float4(o[j][2 + e], o[j + 1][2 + e], o[j + 2][2 + e], o[j + 3][2 + e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<float2*>(r0 + 8 * j) = make_float2(o[j][0], o[j][1]);
+        *reinterpret_cast<float2*>(r1 + 8 * j) = make_float2(o[j][2], o[j][3]);
+      }
     }
     if (t == 0) {
       sm[warp * kRows + g] = m0;

@@ -25,7 +25,7 @@ cudaError_t gemv(void* out,             // [1, N] bf16
 // columns as 8 tokens: x pre-quantized (quantize_fp8's xq and token-contiguous x_scales, as the
 // GEMM below takes them). tokens_gemv_fits says where it is chosen (linear_fp8.cu).
 constexpr int kTokensPerTile = 8;      // tokens of one mma tile: the mma's N
-constexpr int64_t kTokensWideN = 16384;  // N from which 9..16 tokens go to the GEMM instead
+constexpr int64_t kTokensWideN = 16384;  // N from which 2..16 tokens go to the GEMM instead
 bool tokens_gemv_fits(int64_t t, int64_t n);
 cudaError_t gemv_tokens(void* out,              // [T, N] bf16
                         const void* xq,         // [T, K] e4m3

@@ -439,7 +439,7 @@ cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales,
 }
 
 bool tokens_gemv_fits(int64_t t, int64_t n) {
-  return t >= 1 && (t <= 8 || (t <= 2 * kTokensPerTile && n < kTokensWideN));
+  return t >= 1 && t <= (n < kTokensWideN ? 2 * kTokensPerTile : 1);
 }
 
 cudaError_t gemv_tokens(void* out, const void* xq, const float* x_scales, int64_t scale_stride,

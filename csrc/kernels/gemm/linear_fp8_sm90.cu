@@ -71,16 +71,20 @@ template <class TileShape_,         // CTA tile (M, N, K); K = 128: one scale gr
           class ClusterShape_,      // CTAs a cluster (M, N, 1): TMA multicast of the shared operand
           class KernelSchedule_,    // cooperative (2 consumer WGs, one tile) or ping-pong (1 each)
           class EpilogueSchedule_,  // matches the mainloop's
-          class TileScheduler_>     // StreamKScheduler (cooperative only) or PersistentScheduler
+          class TileScheduler_,     // StreamKScheduler (cooperative only) or PersistentScheduler
+          bool kSwapAB_ = false>    // out^T = w xq^T: the weight is A (its rows the tile's M)
 struct BlockScaledGemm {
-  using ElementA = cutlass::float_e4m3_t;                      // xq [M, K]
+  static constexpr bool kSwapAB = kSwapAB_;
+  using ElementA = cutlass::float_e4m3_t;                      // xq [M, K] (swapped: w [N, K])
   using LayoutA = cutlass::layout::RowMajor;                   // K contiguous
   static constexpr int AlignmentA = 16;                        // 16-byte TMA rows: K % 16 == 0
-  using ElementB = cutlass::float_e4m3_t;                      // w [N, K]
+  using ElementB = cutlass::float_e4m3_t;                      // w [N, K] (swapped: xq [M, K])
   using LayoutB = cutlass::layout::ColumnMajor;                // [K, N] stored as [N, K]
   static constexpr int AlignmentB = 16;
   using ElementD = cutlass::bfloat16_t;                        // out [M, N]
-  using LayoutD = cutlass::layout::RowMajor;
+  // swapped: D = out^T [N, M], column-major, is out [M, N] row-major
+  using LayoutD =
+      cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int AlignmentD = 8;                         // N % 8 == 0: 16-byte output rows
   using ElementC = void;                                       // no source operand: D = acc
   using ElementAccumulator = float;
@@ -92,9 +96,13 @@ struct BlockScaledGemm {
 
   // Scale granularity (M, N, K) = (1, 128, 128): a scale per token per group (SFA, MN-major:
   // tokens contiguous) and one per 128 x 128 weight block (SFB, K-major: groups contiguous).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kGroup, kGroup,
-                                                                cute::GMMA::Major::MN,
-                                                                cute::GMMA::Major::K>;
+  // Swapped, the same scales the other way round: (128, 1, 128), SFA K-major, SFB MN-major.
+  using ScaleConfig = cute::conditional_t<
+      kSwapAB,
+      cutlass::detail::Sm90BlockwiseScaleConfig<kGroup, 1, kGroup, cute::GMMA::Major::K,
+                                                cute::GMMA::Major::MN>,
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, kGroup, kGroup, cute::GMMA::Major::MN,
+                                                cute::GMMA::Major::K>>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -127,14 +135,33 @@ struct BlockScaledGemm {
   using StrideD = typename GemmKernel::StrideD;
 
   static typename Gemm::Arguments arguments(const Call& c) {
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = c.device;
+    hw_info.sm_count = c.sm_count;  // cached: no device query per call
+    if constexpr (kSwapAB) {
+      // The problem (N, M, K): A = w, B = xq; the token scales (SFB) span scale_stride columns.
+      const LayoutSFA layout_sfa =
+          ScaleConfig::tile_atom_to_shape_SFA(make_shape(c.n, c.m, c.k, 1));
+      const LayoutSFB layout_sfb =
+          ScaleConfig::tile_atom_to_shape_SFB(make_shape(c.n, c.scale_stride, c.k, 1));
+      return typename Gemm::Arguments{
+          cutlass::gemm::GemmUniversalMode::kGemm,
+          {c.n, c.m, c.k, 1},
+          {static_cast<const ElementA*>(c.w),
+           cutlass::make_cute_packed_stride(StrideA{}, {c.n, c.k, 1}),
+           static_cast<const ElementB*>(c.xq),
+           cutlass::make_cute_packed_stride(StrideB{}, {c.m, c.k, 1}),
+           c.w_scales, layout_sfa, c.x_scales, layout_sfb},
+          {{1.0f, 0.0f},
+           nullptr, cutlass::make_cute_packed_stride(StrideC{}, {c.n, c.m, 1}),
+           static_cast<ElementD*>(c.out),
+           cutlass::make_cute_packed_stride(StrideD{}, {c.n, c.m, 1})},
+          hw_info};
+    }
     // SFA spans scale_stride rows (see the top of the file), its groups scale_stride apart.
     const LayoutSFA layout_sfa =
         ScaleConfig::tile_atom_to_shape_SFA(make_shape(c.scale_stride, c.n, c.k, 1));
     const LayoutSFB layout_sfb = ScaleConfig::tile_atom_to_shape_SFB(make_shape(c.m, c.n, c.k, 1));
-
-    cutlass::KernelHardwareInfo hw_info;
-    hw_info.device_id = c.device;
-    hw_info.sm_count = c.sm_count;  // cached: no device query per call
 
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
@@ -192,24 +219,106 @@ using Pingpong64 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::gemm::PersistentScheduler>;
 
-enum class Config { kCoop128, kPingpong64 };
+// Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a few hundred
+// tokens: a tile's token side is 64 instead of 128 (less padding at M = 176: 192 against 256),
+// and the weight's 128-row blocks give N / 128 tiles per 64 tokens.
+//   SwapCoop128x64: 128 weight rows x 64 tokens, two consumer warp groups, stream-K.
+//   SwapPingpong128x64: the same tile per consumer warp group, persistent.
+using SwapCoop128x64 = BlockScaledGemm<
+    Shape<_128, _64, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true>;
+using SwapPingpong128x64 = BlockScaledGemm<
+    Shape<_128, _64, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecialized,
+    cutlass::gemm::PersistentScheduler, true>;
 
-// The choice, by shape. Not measured: the rule below is the starting point that
-// benchmarks/bench_linear_fp8.py is to confirm or replace (its rows name the shapes; record here
-// what each configuration measured on the H200 and why the winner won).
-//   - Few tokens (M <= 64; up to 16 linear_fp8.cu runs the weight-streaming pass instead where
-//     fp8::tokens_gemv_fits): Coop128. N / 128 tiles (32 for a 4096-row weight) would leave most
-//     of the 132 SMs idle under a data-parallel grid; only the stream-K scheduler spreads the
-//     K loop of those tiles over every SM, and the weight read is the whole cost.
-//   - Mid M: Pingpong64 when its 64-row tiles already fill the SMs at least twice over
-//     (ceil(M/64) * ceil(N/128) >= 2 * SMs) and M <= 1024: finer waves and less row padding.
-//   - Otherwise (every M >= 2048 target shape): Coop128, data-parallel or stream-K by CUTLASS's
+// For a handful of tokens (the decode steps of a few sequences, batch 1): the same swap with a
+// token side of 16 or 32 (wgmma N = 16 / 32), so no token-row padding beyond 16 / 32 and no e4m3
+// conversion on the CUDA cores (the weight-streaming passes of linear_fp8_gemv.cu widen every
+// weight byte to f16 for mma.sync; wgmma reads e4m3 as it is). N / 128 tiles, spread over every SM
+// by stream-K: each SM streams a slice of the weight's K through the TMA ring.
+//   SwapCoop128x16, SwapCoop128x32: 128 weight rows x 16 / 32 tokens, cooperative, stream-K.
+using SwapCoop128x16 = BlockScaledGemm<
+    Shape<_128, _16, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true>;
+using SwapCoop128x32 = BlockScaledGemm<
+    Shape<_128, _32, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true>;
+
+// Coop128Mc: Coop128 with a 2 x 1 cluster instead, multicasting the weight tile to the CTAs of
+// two neighbouring token tiles (large M: each weight tile is read by M / 128 CTAs).
+using Coop128Mc = BlockScaledGemm<
+    Shape<_128, _128, _128>, Shape<_2, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler>;
+
+enum class Config {
+  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kCoop128Mc, kSwapCoop128x16,
+  kSwapCoop128x32
+};
+
+// The choice, by shape, from benchmarks/linear_fp8_ab on the H200 (every configuration on
+// Qwen3-8B's projections, weights rotated past the L2, CUDA-graph replays; us, the winner against
+// Coop128, the configuration every M up to 64 ran before):
+//   - M <= 64: SwapCoop128x16 (x32 from 33 tokens where N > 4096): the weight's rows as the
+//     wgmma M and 16 / 32 tokens as N, so few tokens pad nothing, and stream-K spreads the N / 128
+//     tiles' K over every SM. M = 17 / 32: qkv 9.82 / 9.89 vs 20.59 / 20.03, gate_up 28.04 /
+//     28.35 vs 46.88 / 44.31, down 20.82 / 20.96 vs 31.43 / 30.33, o 12.79 / 12.93 vs 19.84 /
+//     19.67 (Pingpong64 12.69 / 12.71: a tie); M = 64: qkv (x32) 11.78 vs 19.17, o 9.30 vs 19.21,
+//     gate_up (x32) 29.95 vs 41.33, down 19.48 vs 30.56.
+//   - M <= 128, by projection: N <= 4096 and K <= 4096 (o) SwapCoop128x32 (11.54 vs 18.32 at
+//     128), N <= 4096 above (down) SwapCoop128x64 (24.96 vs 28.02), N <= 8192 (qkv) Pingpong64
+//     (12.86 vs 17.82), wider (gate_up) SwapPingpong128x64 (34.43 vs 36.12).
+//   - M <= 256 (the decode steps of the throughput schedule, <= 176 sequences): N <= 4096
+//     Pingpong64 (o 12.58 vs 19.26 at 176, 13.27 vs 18.22 at 256; down 30.43 vs 36.60 at 176),
+//     else Coop128 (qkv 16.60 at 176; gate_up 53.3-53.6 for the best three at 176).
+//   - Above: Coop128 (M = 384: qkv 26.16 vs Pingpong64 30.94, gate_up 71.72 vs 88.23; 512, 2048,
+//     4096 within 1% of Coop128Mc, the best elsewhere), data-parallel or stream-K by CUTLASS's
 //     heuristic on the wave count.
-Config choose(int64_t m, int64_t n, int sm_count) {
-  if (m <= 64) return Config::kCoop128;
-  const int64_t tiles64 = (m + 63) / 64 * ((n + 127) / 128);
-  if (m <= 1024 && tiles64 >= 2 * static_cast<int64_t>(sm_count)) return Config::kPingpong64;
+Config choose(int64_t m, int64_t n, int64_t k) {
+  if (m <= 32) return Config::kSwapCoop128x16;
+  if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;
+  if (m <= 128) {
+    if (n <= 4096) return k <= 4096 ? Config::kSwapCoop128x32 : Config::kSwapCoop128x64;
+    return n <= 8192 ? Config::kPingpong64 : Config::kSwapPingpong128x64;
+  }
+  if (m <= 256 && n <= 4096) return Config::kPingpong64;
   return Config::kCoop128;
+}
+
+// The configuration's workspace size and run, by value: the configurations choose() returns (each
+// one instantiated costs minutes of nvcc; benchmarks/linear_fp8_ab reaches the others directly).
+template <class G>
+size_t workspace_of(const Call& c) { return G::workspace_size(c); }
+size_t config_workspace_size(Config config, const Call& c) {
+  switch (config) {
+    case Config::kPingpong64: return workspace_of<Pingpong64>(c);
+    case Config::kSwapCoop128x16: return workspace_of<SwapCoop128x16>(c);
+    case Config::kSwapCoop128x32: return workspace_of<SwapCoop128x32>(c);
+    case Config::kSwapCoop128x64: return workspace_of<SwapCoop128x64>(c);
+    case Config::kSwapPingpong128x64: return workspace_of<SwapPingpong128x64>(c);
+    default: return workspace_of<Coop128>(c);
+  }
+}
+cudaError_t run_config(Config config, const Call& c, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  switch (config) {
+    case Config::kPingpong64: return Pingpong64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x16: return SwapCoop128x16::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x32: return SwapCoop128x32::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x64: return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapPingpong128x64:
+      return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);
+    default: return Coop128::run(c, workspace, workspace_bytes, stream);
+  }
 }
 
 // Fills the call but its buffers; cudaErrorNotSupported off compute 9.0 (sm_90a code only).
@@ -233,7 +342,7 @@ cudaError_t make_call(int64_t m, int64_t n, int64_t k, int64_t scale_stride, Cal
   c.scale_stride = static_cast<int>(scale_stride);
   c.device = device;
   c.sm_count = d.num_sms;
-  config = choose(m, n, d.num_sms);
+  config = choose(m, n, k);
   return cudaSuccess;
 }
 
@@ -245,8 +354,7 @@ size_t gemm_workspace_size(int64_t m, int64_t n, int64_t k) {
   // The workspace (stream-K partial tiles and barriers) depends on the tiles, not on where the
   // scales live: any valid scale_stride gives the size gemm() will ask for.
   if (make_call(m, n, k, (m + 3) / 4 * 4, c, config) != cudaSuccess) return 0;
-  return config == Config::kPingpong64 ? Pingpong64::workspace_size(c)
-                                       : Coop128::workspace_size(c);
+  return config_workspace_size(config, c);
 }
 
 cudaError_t gemm(void* out, const void* xq, const float* x_scales, int64_t scale_stride,
@@ -266,9 +374,7 @@ cudaError_t gemm(void* out, const void* xq, const float* x_scales, int64_t scale
   c.x_scales = x_scales;
   c.w = w;
   c.w_scales = w_scales;
-  return config == Config::kPingpong64
-             ? Pingpong64::run(c, workspace, workspace_bytes, stream)
-             : Coop128::run(c, workspace, workspace_bytes, stream);
+  return run_config(config, c, workspace, workspace_bytes, stream);
 }
 
 }  // namespace qwen3_kernels::fp8

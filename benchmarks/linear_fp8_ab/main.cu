@@ -1,0 +1,205 @@
+// Every kernel linear_fp8 could run a projection with, on Qwen3-8B's projections at the token
+// counts of batch 1, the decode and mixed steps, and 2048 / 4096 (bench_linear_fp8.py's GEMM
+// rows): each configuration of the block-scaled FP8 GEMM (linear_fp8_sm90.cu, included here so
+// each is reachable) and, at up to 16 tokens, the weight-streaming passes (linear_fp8_gemv.cu:
+// gemv at one token, from the bf16 x it quantizes itself; gemv_tokens above). Alternating rounds
+// on the same inputs, the weight rotated through enough copies to pass the 60 MB L2 (as the
+// engine reads it: once a step). Printed per contender: best time, weight-read rate, TFLOP/s, the
+// configuration fp8::gemm chooses marked (*), and every output against Coop128's (largest absolute
+// difference over the largest |out|: the same sums in another order). The GEMM rows exclude
+// quantize_fp8 (fused into the producers of their input in the engine; gemv includes it).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "ab_common.cuh"
+#include "linear_fp8_sm90.cu"
+#include "qwen3_kernels/launchers.h"  // quantize_fp8 (quantize_fp8.cu, linked in)
+
+namespace f = qwen3_kernels::fp8;
+
+// Every configuration, whether or not fp8::gemm's choose() returns it.
+template <class G>
+size_t ws_of(const f::Call& c) { return G::workspace_size(c); }
+size_t workspace_of(f::Config config, const f::Call& c) {
+  switch (config) {
+    case f::Config::kPingpong64: return ws_of<f::Pingpong64>(c);
+    case f::Config::kSwapCoop128x64: return ws_of<f::SwapCoop128x64>(c);
+    case f::Config::kSwapPingpong128x64: return ws_of<f::SwapPingpong128x64>(c);
+    case f::Config::kCoop128Mc: return ws_of<f::Coop128Mc>(c);
+    case f::Config::kSwapCoop128x16: return ws_of<f::SwapCoop128x16>(c);
+    case f::Config::kSwapCoop128x32: return ws_of<f::SwapCoop128x32>(c);
+    default: return ws_of<f::Coop128>(c);
+  }
+}
+cudaError_t run_any(f::Config config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
+  switch (config) {
+    case f::Config::kPingpong64: return f::Pingpong64::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x64: return f::SwapCoop128x64::run(c, ws, bytes, s);
+    case f::Config::kSwapPingpong128x64: return f::SwapPingpong128x64::run(c, ws, bytes, s);
+    case f::Config::kCoop128Mc: return f::Coop128Mc::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x16: return f::SwapCoop128x16::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x32: return f::SwapCoop128x32::run(c, ws, bytes, s);
+    default: return f::Coop128::run(c, ws, bytes, s);
+  }
+}
+
+// A contender: a GEMM configuration, or a weight-streaming pass (kStream: gemv at M == 1,
+// gemv_tokens at M = 2..16).
+constexpr int kStream = -1;
+struct Contender {
+  const char* name;
+  int config;  // f::Config or kStream
+};
+constexpr Contender kContenders[] = {
+    {"coop128", static_cast<int>(f::Config::kCoop128)},
+    {"pp64", static_cast<int>(f::Config::kPingpong64)},
+    {"swap_coop128x64", static_cast<int>(f::Config::kSwapCoop128x64)},
+    {"swap_pp128x64", static_cast<int>(f::Config::kSwapPingpong128x64)},
+    {"coop128mc", static_cast<int>(f::Config::kCoop128Mc)},
+    {"swap_coop128x16", static_cast<int>(f::Config::kSwapCoop128x16)},
+    {"swap_coop128x32", static_cast<int>(f::Config::kSwapCoop128x32)},
+    {"stream", kStream},
+};
+constexpr int kCount = sizeof(kContenders) / sizeof(kContenders[0]);
+
+// Inputs of one (projection, M): x and its quantization, `copies` weights with their scales.
+struct Inputs {
+  __nv_bfloat16* x;
+  uint8_t* xq;
+  float* xs;
+  std::vector<uint8_t*> w;
+  std::vector<float*> ws;
+  int64_t stride;
+};
+
+cudaError_t run(const Contender& ct, f::Call c, const Inputs& in, int copy, void* work,
+                size_t work_bytes, cudaStream_t s) {
+  c.w = in.w[copy];
+  c.w_scales = in.ws[copy];
+  if (ct.config != kStream) return run_any(static_cast<f::Config>(ct.config), c, work, work_bytes, s);
+  if (c.m == 1) return f::gemv(c.out, in.x, c.w, c.w_scales, c.n, c.k, s);
+  if (c.m <= 2 * f::kTokensPerTile)
+    return f::gemv_tokens(c.out, in.xq, in.xs, in.stride, c.w, c.w_scales, c.m, c.n, c.k, s);
+  return cudaErrorNotSupported;
+}
+
+int main(int argc, char** argv) {
+  const int rounds = argc > 1 ? atoi(argv[1]) : 5;
+  const int iters = 20;
+  struct Proj { const char* name; int n, k; };
+  const Proj projs[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
+                        {"down", 4096, 12288}};
+  const int ms[] = {1, 2, 4, 8, 16, 17, 32, 64, 96, 128, 176, 256, 384, 512, 2048, 4096};
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  cudaStream_t stream;
+  CK(cudaStreamCreate(&stream));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (const Proj& pj : projs) {
+    const int64_t n = pj.n, k = pj.k, groups = (k + 127) / 128;
+    const int64_t w_bytes = n * k, ws_count = (n + 127) / 128 * groups;
+    // enough copies that one pass over them reads >= 240 MB (4x the L2)
+    const int copies = static_cast<int>(std::max<int64_t>(1, (240000000 + w_bytes - 1) / w_bytes));
+    Inputs in;
+    for (int i = 0; i < copies; ++i) {
+      uint8_t* w;
+      float* ws;
+      CK(cudaMalloc(&w, w_bytes));
+      CK(cudaMalloc(&ws, ws_count * 4));
+      fill_e4m3<<<4096, 256>>>(w, w_bytes, 2, 448.f);  // every copy the same values
+      fill_f32<<<64, 256>>>(ws, ws_count, 4, 1.f / 448, 0.5f);
+      in.w.push_back(w);
+      in.ws.push_back(ws);
+    }
+    for (int m : ms) {
+      in.stride = (m + 3) / 4 * 4;
+      __nv_bfloat16* out;
+      CK(cudaMalloc(&in.x, m * k * 2));
+      CK(cudaMalloc(&in.xq, m * k));
+      CK(cudaMalloc(&in.xs, groups * in.stride * 4));
+      CK(cudaMalloc(&out, m * n * 2));
+      fill_bf16<<<1024, 256>>>(in.x, m * k, 1, 4.f);
+      CK(qwen3_kernels::quantize_fp8(in.xq, in.xs, in.x, m, k, /*x_stride=*/k,
+                                     /*scale_stride_t=*/1, /*scale_stride_g=*/in.stride,
+                                     qwen3_kernels::DType::kBFloat16, 0));
+      CK(cudaDeviceSynchronize());
+      f::Call c;
+      f::Config chosen;
+      CK(f::make_call(m, n, k, in.stride, c, chosen));
+      c.out = out; c.xq = in.xq; c.x_scales = in.xs;
+      size_t ws_bytes = 0;
+      for (const Contender& ct : kContenders)
+        if (ct.config != kStream)
+          ws_bytes = std::max(ws_bytes, workspace_of(static_cast<f::Config>(ct.config), c));
+      void* work = nullptr;
+      if (ws_bytes) CK(cudaMalloc(&work, ws_bytes));
+      std::vector<__nv_bfloat16> ref(m * n), got(m * n);
+      float best[kCount];
+      bool ok[kCount];
+      for (int i = 0; i < kCount; ++i) best[i] = 1e30f, ok[i] = !(kContenders[i].config == kStream && m > 16);
+      for (int r = 0; r < rounds; ++r) {
+        for (int ci = 0; ci < kCount; ++ci) {
+          if (!ok[ci]) continue;
+          const Contender& ct = kContenders[ci];
+          CK(cudaMemset(out, 0xff, m * n * 2));
+          const cudaError_t err = run(ct, c, in, 0, work, ws_bytes, stream);
+          if (err != cudaSuccess) {
+            printf("  %s M=%d %s: %s\n", pj.name, m, ct.name, cudaGetErrorString(err));
+            cudaGetLastError();
+            ok[ci] = false;
+            continue;
+          }
+          CK(cudaStreamSynchronize(stream));
+          if (r == 0) {
+            CK(cudaMemcpy(ci == 0 ? ref.data() : got.data(), out, m * n * 2,
+                          cudaMemcpyDeviceToHost));
+            if (ci > 0) {
+              float diff = 0.f, mag = 0.f;
+              size_t bad = 0;
+              for (size_t i = 0; i < ref.size(); ++i) {
+                const float a = __bfloat162float(ref[i]), b = __bfloat162float(got[i]);
+                if (!std::isfinite(a) || !std::isfinite(b)) ++bad;
+                else diff = std::max(diff, std::fabs(a - b));
+                mag = std::max(mag, std::fabs(a));
+              }
+              if (bad || diff > 1e-2f * mag)
+                printf("  %s M=%d %s vs coop128: max |diff| %.4g of max |out| %.4g, "
+                       "non-finite %zu\n", pj.name, m, ct.name, diff, mag, bad);
+            }
+          }
+          for (int i = 0; i < copies; ++i) CK(run(ct, c, in, i, work, ws_bytes, stream));
+          CK(cudaEventRecord(e0, stream));
+          for (int i = 0; i < iters; ++i)
+            CK(run(ct, c, in, i % copies, work, ws_bytes, stream));
+          CK(cudaEventRecord(e1, stream));
+          CK(cudaEventSynchronize(e1));
+          float ms_ = 0.f;
+          CK(cudaEventElapsedTime(&ms_, e0, e1));
+          best[ci] = std::min(best[ci], ms_ * 1000.f / iters);
+        }
+      }
+      printf("%-8s M=%-4d", pj.name, m);
+      for (int ci = 0; ci < kCount; ++ci) {
+        if (!ok[ci]) continue;
+        const bool is_chosen = kContenders[ci].config == static_cast<int>(chosen);
+        printf(" | %s%s %.2f us %.2f TB/s %.0f TF", kContenders[ci].name, is_chosen ? "*" : "",
+               best[ci], n * k / best[ci] * 1e-6, 2.0 * m * n * k / best[ci] * 1e-6);
+      }
+      printf("\n");
+      fflush(stdout);
+      CK(cudaFree(in.x)); CK(cudaFree(in.xq)); CK(cudaFree(in.xs)); CK(cudaFree(out));
+      if (work) CK(cudaFree(work));
+    }
+    for (int i = 0; i < copies; ++i) { CK(cudaFree(in.w[i])); CK(cudaFree(in.ws[i])); }
+  }
+  return 0;
+}

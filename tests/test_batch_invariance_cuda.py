@@ -2,13 +2,15 @@
 kernels, bf16, with the harness in tests/batch_invariance.py (the CPU counterpart is
 tests/test_batch_invariance.py).
 
-The acceptance: 16 prompts (1..1270 tokens) x (greedy, seeded top-p sampling), 24 tokens each
+The acceptance: 16 prompts (1..2040 tokens) x (greedy, seeded top-p sampling), 24 tokens each
 with logprobs=5, run alone (CUDA graphs on) give every token and every logprob bit-identical
 when they run again inside batches of 1, 16 and 255 random other requests, split into prefill
 chunks of several sizes, served from the prefix cache, under KV pressure that preempts them, with
-CUDA graphs and eager, with KV blocks of 16 and 256 tokens, on fresh engines. The prompts stay
-within the first of the mode's fixed 2048-key attention splits (launchers.h); the splits' combine
-is covered by test_batch_invariant_ops.py (contexts up to 40960 keys).
+CUDA graphs and eager, with KV blocks of 16 and 256 tokens, on fresh engines. The longest
+target's decode passes the first of the mode's fixed 2048-key attention splits (launchers.h) at
+its ninth token: from the prefill order's kernel, in the graphs over the narrow block table, to
+the split kernel in the graphs over the full one; longer contexts and the splits' combine are
+covered by test_batch_invariant_ops.py (up to 40960 keys).
 
 And the tests fail without the mode: ``test_default_mode_differs_in_a_batch`` passes only while
 the default mode's targets in a batch differ from their run alone.
@@ -41,12 +43,12 @@ SHAPE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hid
              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
              tie_word_embeddings=False, max_position_embeddings=4096)
 V = SHAPE["vocab_size"]
-# the harness's lengths with 211 dropped and 1270 added: a long target within the first split
-LENGTHS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 97, 128, 150, 256, 300, 1270)
+# the harness's lengths with 211 dropped and 2040 added: 2040 + 24 keys pass the first split
+LENGTHS = (1, 2, 7, 15, 16, 17, 31, 33, 48, 64, 97, 128, 150, 256, 300, 2040)
 NUM_OTHERS = 16
 # the base engine: one step holds any target prompt whole (the run alone is one prefill, then
 # one-token decodes); a fixed KV cache (1 GiB), so engines do not size it from free memory
-BASE = dict(device="cuda", kvcache_block_size=16, num_kvcache_blocks=4096, max_model_len=2048,
+BASE = dict(device="cuda", kvcache_block_size=16, num_kvcache_blocks=4096, max_model_len=4096,
             max_num_seqs=64, max_num_batched_tokens=2048)
 # blocks of 256 tokens: the same 1 GiB of cache
 BASE_256 = dict(BASE, kvcache_block_size=256, num_kvcache_blocks=256)

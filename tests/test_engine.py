@@ -457,11 +457,13 @@ class EagerReplay:
     same static buffers, so the replay plumbing (input copies, padding rows, output rows) is
     tested here; tests/test_engine_cuda.py runs the real graphs."""
 
-    def __init__(self, runner, bs):
-        self.runner, self.bs = runner, bs
+    def __init__(self, runner, bs, short=False):
+        self.runner, self.bs, self.short = runner, bs, short
+        self.replays = 0
 
     def replay(self):
-        self.runner.graph_forward(self.bs)
+        self.replays += 1
+        self.runner.graph_forward(self.bs, self.short)
 
 
 def test_graph_replay_plumbing_with_padding(tied):
@@ -479,3 +481,37 @@ def test_graph_replay_plumbing_with_padding(tied):
     for p, o, sp in zip(prompts, outs, params):
         assert o.token_ids == hf_greedy(hf, p, sp.max_tokens)
     assert runner.num_graph_steps == 11  # every decode-only step went through a "graph"
+
+
+def test_deterministic_graphs_read_the_narrow_table_while_every_context_fits(tmp_path):
+    """The deterministic mode captures its decode graphs over the full block table and over a
+    narrow one (short_table_blocks: BATCH_INVARIANT_SPLIT_KEYS keys, so the kernel launches
+    nothing for a second split no row has); a step replays the narrow ones while every context
+    fits, the full ones after. Tokens and logprobs equal the eager engine's, whose decode tables
+    are narrowed by the same rule."""
+    from qwen3_kernels.ops import BATCH_INVARIANT_SPLIT_KEYS as SPLIT
+
+    cfg = make_tiny_qwen3(tmp_path, "tied_gqa2", max_position_embeddings=4096)
+    char_tokenizer(cfg.vocab_size).save_pretrained(tmp_path)
+    kw = dict(kvcache_block_size=BS, max_num_seqs=4, max_num_batched_tokens=SPLIT,
+              max_model_len=4096, deterministic=True, enable_prefix_caching=False)
+    prompts = random_prompts([SPLIT - 8, 5], cfg.vocab_size, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    eager = LLM(str(tmp_path), enforce_eager=True, **kw).generate(prompts, params,
+                                                                  use_tqdm=False)
+    llm = LLM(str(tmp_path), **kw)
+    runner = llm.model_runner
+    assert (runner.short_table_blocks, runner.max_blocks_per_seq) == (SPLIT // BS, 4096 // BS)
+    runner.graph_batch_sizes = [1, 2, 4]
+    runner.make_graph_buffers(4)
+    runner.graph_vars["block_tables"].fill_(3)  # stale rows must not matter
+    runner.graph_vars["short_block_tables"].fill_(3)
+    runner.graphs = {bs: EagerReplay(runner, bs) for bs in runner.graph_batch_sizes}
+    runner.short_graphs = {bs: EagerReplay(runner, bs, True) for bs in runner.graph_batch_sizes}
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for e, o in zip(eager, outs):
+        assert o.token_ids == e.token_ids and o.logprobs == e.logprobs
+    # one prefill step, then 15 decode steps at positions SPLIT - 8 ..: 8 with every context
+    # within SPLIT keys, 7 past it
+    assert sum(g.replays for g in runner.short_graphs.values()) == 8
+    assert sum(g.replays for g in runner.graphs.values()) == 7

@@ -3,7 +3,8 @@ of mixed steps (``piecewise.py``).
 
 A decode-only step on CUDA replays the graph captured for the smallest batch-size bucket that
 fits, with the unused rows padded (slot -1: no cache write; seq_len 1 over block 0: a harmless
-read whose result is dropped). A step with prompt tokens of up to ``max_piecewise_graph_tokens``
+read whose result is dropped). The deterministic mode captures each bucket twice: over the full
+block table, and over its narrow one (``short_table_blocks``) for steps whose every context fits. A step with prompt tokens of up to ``max_piecewise_graph_tokens``
 (one GPU) replays the piecewise graphs of its 32-token bucket with its attention run eagerly
 between them; larger ones, and all on CPU, run eagerly.
 """
@@ -32,6 +33,7 @@ class CudaGraphs:
         config = self.config
         self.graph_layout: Layout | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # over short_block_tables
         self.graph_batch_sizes: list[int] = []
         self.num_graph_steps = 0
         self.last_step_used_graph = False
@@ -81,9 +83,12 @@ class CudaGraphs:
             g["slot_mapping"][n:bucket].fill_(-1)
             g["seq_lens"][:n].copy_(ctx.decode_seq_lens, non_blocking=True)
             g["seq_lens"][n:bucket].fill_(1)
-            tables = ctx.decode_block_tables
-            g["block_tables"][:n, : tables.shape[1]].copy_(tables, non_blocking=True)
-        self.graphs[bucket].replay()
+        tables = ctx.decode_block_tables
+        short = tables.shape[1] < self.max_blocks_per_seq  # (plan_step's narrow table)
+        if input_ids.data_ptr() != g["input_ids"].data_ptr():
+            field = "short_block_tables" if short else "block_tables"
+            g[field][:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        (self.short_graphs if short else self.graphs)[bucket].replay()
         return g["outputs"][:n]
 
     def make_graph_buffers(self, max_bs: int) -> None:
@@ -99,6 +104,8 @@ class CudaGraphs:
             .add("slot_mapping", "int32", max_bs).add("seq_lens", "int32", max_bs)
             .add("block_tables", "int32", max_bs, self.max_blocks_per_seq)
         )
+        if self.short_table_blocks is not None:  # (after block_tables: see plan_step's copy)
+            self.graph_layout.add("short_block_tables", "int32", max_bs, self.short_table_blocks)
         self.graph_inputs = torch.zeros(-(-self.graph_layout.nbytes // 8) * 8, dtype=torch.uint8,
                                         device=dev)
         self.graph_vars = self.graph_layout.views(typed_torch(self.graph_inputs))
@@ -107,13 +114,14 @@ class CudaGraphs:
         self.graph_vars["outputs"] = torch.zeros(max_bs, cfg.hf_config.hidden_size,
                                                  dtype=cfg.torch_dtype, device=dev)
 
-    def graph_forward(self, bs: int) -> None:
-        """The decode forward a graph of batch size ``bs`` holds: static buffers in, static out."""
+    def graph_forward(self, bs: int, short: bool = False) -> None:
+        """The decode forward a graph of batch size ``bs`` holds: static buffers in, static out
+        (``short``: over the narrow block table)."""
         g = self.graph_vars
         set_context(Context(
             slot_mapping=g["slot_mapping"][:bs],
             decode_seq_lens=g["seq_lens"][:bs],
-            decode_block_tables=g["block_tables"][:bs],
+            decode_block_tables=g["short_block_tables" if short else "block_tables"][:bs],
             decode_workspace=None if self.workspace is None else self.workspace[:bs],
         ))
         try:
@@ -152,13 +160,17 @@ class CudaGraphs:
         start = time.perf_counter()
         with prefer_cublaslt(self.use_cuda):
             for bs in reversed(self.graph_batch_sizes):
-                self.graph_forward(bs)  # warm-up outside the graph (lazy inits, autotuning)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.graph_forward(bs)
-                if pool is None:
-                    pool = graph.pool()
-                self.graphs[bs] = graph
-                torch.cuda.synchronize()
+                for short, graphs in ((False, self.graphs), (True, self.short_graphs)):
+                    if short and self.short_table_blocks is None:
+                        continue
+                    # warm-up outside the graph (lazy inits, autotuning)
+                    self.graph_forward(bs, short)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool):
+                        self.graph_forward(bs, short)
+                    if pool is None:
+                        pool = graph.pool()
+                    graphs[bs] = graph
+                    torch.cuda.synchronize()
         self.graph_pool = pool
         self.capture_seconds = time.perf_counter() - start

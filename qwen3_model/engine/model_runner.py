@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import qwen3_kernels
+from qwen3_kernels.ops import BATCH_INVARIANT_SPLIT_KEYS
 from qwen3_model.config import Config
 from qwen3_model.distributed import broadcast_from_rank0, init_all_reduce
 from qwen3_model.engine.cuda_graphs import CudaGraphs
@@ -118,6 +119,13 @@ class ModelRunner(StepInputs, CudaGraphs):
         self.enforce_eager = config.enforce_eager or not self.use_cuda
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        # The deterministic mode's decode in a step whose every context fits in its first split
+        # (BATCH_INVARIANT_SPLIT_KEYS keys) reads a table this narrow, eager and from graphs of
+        # its own: the kernel then launches no split or combine kernel for keys no row has (its
+        # sums do not depend on the table's width). None: one width (any other case).
+        short = BATCH_INVARIANT_SPLIT_KEYS // self.block_size
+        self.short_table_blocks = (short if config.deterministic
+                                   and 0 < short < self.max_blocks_per_seq else None)
         if self.use_cuda:
             torch.cuda.set_device(self.device)
             cap = torch.cuda.get_device_capability(self.device)

@@ -87,6 +87,9 @@ class StepPlan:
     max_q: int = 0
     sample_rows: np.ndarray | None = None  # rows of the step whose logits are sampled; None = all
     bucket: int | None = None  # CUDA graph batch size to replay, None = eager
+    # the field of the decode block table: "decode_block_tables" (eager), or the graphs'
+    # "block_tables" / "short_block_tables" (the graphs of that table's width)
+    table_field: str = "decode_block_tables"
     # rows whose input token is the previous step's k-th sampled token, not read back yet
     # (fields "pending_rows" / "pending_src"; ``pending_in_order``: rows T_pre + k, k = 0..)
     num_pending: int = 0
@@ -132,7 +135,8 @@ class HostStaging:
 
 class StepInputs:
     """ModelRunner's step planning and staging (a base of ModelRunner, which owns the state it
-    uses: block_size, max_blocks_per_seq, the staging buffers, the decode graphs' buffers)."""
+    uses: block_size, max_blocks_per_seq, short_table_blocks, the staging buffers, the decode
+    graphs' buffers)."""
 
     def _to_device(self, data, dtype) -> torch.Tensor:
         t = torch.as_tensor(data, dtype=dtype)  # (lists and numpy arrays alike)
@@ -170,6 +174,10 @@ class StepInputs:
             # a one-token chunk of a longer prompt also runs as a "decode": its token is the one
             # at its position, and it is sampled only if that is the last
             dec_ids = [s.token_ids[s.num_computed_tokens] for s in decodes]
+            # the deterministic mode's narrow decode table (ModelRunner.short_table_blocks)
+            short = self.short_table_blocks
+            if short is not None and int(dec_pos.max()) < short * bs:
+                width = short
         T = T_pre + D
 
         # which rows are sampled, and by which sequences: a prefill chunk's last row if it
@@ -216,7 +224,8 @@ class StepInputs:
         bucket = self._graph_bucket(batch)
         if bucket is not None:
             layout, n_rows = self.graph_layout, bucket
-            tab_field, lens_field = "block_tables", "seq_lens"
+            tab_field = "block_tables" if width == self.max_blocks_per_seq else "short_block_tables"
+            lens_field = "seq_lens"
         else:
             layout = Layout().add("input_ids", "int64", T).add("positions", "int64", T)
             if sample_rows is not None:
@@ -278,17 +287,18 @@ class StepInputs:
             pos[D:bucket] = 0
             slots[D:bucket] = -1
             f["seq_lens"][D:bucket] = 1
-            f["block_tables"][D:bucket] = 0
+            f[tab_field][D:bucket] = 0
         if sample_rows is not None and bucket is None:
             f["sample_rows"][:] = sample_rows
         if bucket is not None:  # the copy covers the static buffer up to the bucket's last row
-            _, start, shape = layout.fields["block_tables"]
+            _, start, shape = layout.fields[tab_field]
             nbytes = 4 * (start + shape[1] * n_rows)
         else:
             nbytes = layout.nbytes
         plan = StepPlan(data=buf[:nbytes], layout=layout, num_tokens=T, num_prefill_tokens=T_pre,
                         num_prefills=P, num_decodes=D, max_q=int(pre_n.max()) if P else 0,
-                        sample_rows=sample_rows, bucket=bucket, num_pending=num_pending,
+                        sample_rows=sample_rows, bucket=bucket, table_field=tab_field,
+                        num_pending=num_pending,
                         pending_in_order=in_order, prompt_rows=prompt_rows)
         self._staged = (plan, i)
         return plan, sample_seqs
@@ -355,13 +365,13 @@ class StepInputs:
         ctx = Context(slot_mapping=t["slot_mapping"][:T])
         if plan.bucket is not None:
             ctx.decode_seq_lens = t["seq_lens"][:D]
-            ctx.decode_block_tables = t["block_tables"][:D]
+            ctx.decode_block_tables = t[plan.table_field][:D]
         elif D:
             ctx.decode_seq_lens = t["decode_seq_lens"]
-            # Full width, as in the decode graphs: the split-KV count is chosen from the table
-            # width, so eager and replayed decode then sum in the same order and give identical
-            # tokens (measured: a narrower eager table changed a greedy token after 37 steps,
-            # H200).
+            # Full width (or the deterministic mode's narrow one, chosen as for the graphs), as
+            # in the decode graphs: the split-KV count is chosen from the table width, so eager
+            # and replayed decode then sum in the same order and give identical tokens
+            # (measured: a narrower eager table changed a greedy token after 37 steps, H200).
             ctx.decode_block_tables = t["decode_block_tables"]
         if D and self.workspace is not None:
             ctx.decode_workspace = self.workspace[:D]

@@ -4,9 +4,10 @@ of mixed steps (``piecewise.py``).
 A decode-only step on CUDA replays the graph captured for the smallest batch-size bucket that
 fits, with the unused rows padded (slot -1: no cache write; seq_len 1 over block 0: a harmless
 read whose result is dropped). The deterministic mode captures each bucket twice: over the full
-block table, and over its narrow one (``short_table_blocks``) for steps whose every context fits. A step with prompt tokens of up to ``max_piecewise_graph_tokens``
-(one GPU) replays the piecewise graphs of its 32-token bucket with its attention run eagerly
-between them; larger ones, and all on CPU, run eagerly.
+block table, and over its narrow one (``short_table_blocks``) for steps whose every context
+fits. A step with prompt tokens of up to ``max_piecewise_graph_tokens`` (one GPU) replays the
+piecewise graphs of its 32-token bucket with its attention run eagerly between them; larger ones,
+and all on CPU, run eagerly.
 """
 
 from __future__ import annotations

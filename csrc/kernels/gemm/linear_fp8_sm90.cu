@@ -252,17 +252,8 @@ using SwapCoop128x32 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecializedCooperative,
     cutlass::gemm::StreamKScheduler, true>;
 
-// Coop128Mc: Coop128 with a 2 x 1 cluster instead, multicasting the weight tile to the CTAs of
-// two neighbouring token tiles (large M: each weight tile is read by M / 128 CTAs).
-using Coop128Mc = BlockScaledGemm<
-    Shape<_128, _128, _128>, Shape<_2, _1, _1>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
-    cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler>;
-
 enum class Config {
-  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kCoop128Mc, kSwapCoop128x16,
-  kSwapCoop128x32
+  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32
 };
 
 // The choice, by shape, from benchmarks/linear_fp8_ab on the H200 (every configuration on
@@ -281,8 +272,8 @@ enum class Config {
 //     Pingpong64 (o 12.58 vs 19.26 at 176, 13.27 vs 18.22 at 256; down 30.43 vs 36.60 at 176),
 //     else Coop128 (qkv 16.60 at 176; gate_up 53.3-53.6 for the best three at 176).
 //   - Above: Coop128 (M = 384: qkv 26.16 vs Pingpong64 30.94, gate_up 71.72 vs 88.23; 512, 2048,
-//     4096 within 1% of Coop128Mc, the best elsewhere), data-parallel or stream-K by CUTLASS's
-//     heuristic on the wave count.
+//     4096 within 1% of Coop128 with a 2 x 1 cluster, the harness's coop128mc, the best
+//     elsewhere), data-parallel or stream-K by CUTLASS's heuristic on the wave count.
 Config choose(int64_t m, int64_t n, int64_t k) {
   if (m <= 32) return Config::kSwapCoop128x16;
   if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;

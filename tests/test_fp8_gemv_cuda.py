@@ -39,9 +39,9 @@ MAX_E4M3_MISMATCH_RATE = 5e-3
 #   - BF16_HALF_ULP: the output is rounded to bf16 (8 significant bits), off by at most half an
 #     ulp, 2^-8 relative.
 #   - ACCUM_TOL: the kernel sums the exact e4m3 products in fp32: 8 chained mma of 16 products a
-#     group on the tensor cores, then one fp32 FMA a group with the combined scale (50 groups a
-#     warp at K = 25600), then 4 warp partials. Each rounding errs by at most 2^-23 of a partial
-#     sum bounded by mag, about 70 of them on the longest path: under 2^-16 * mag. 2^-15 leaves
+#     group on the tensor cores, then one fp32 FMA a group with the combined scale (28 groups a
+#     warp at K = 25600), then 8 warp partials. Each rounding errs by at most 2^-23 of a partial
+#     sum bounded by mag, about 50 of them on the longest path: under 2^-16 * mag. 2^-15 leaves
 #     room for the tensor cores' truncating adds and still fails a wrong scale, group or row
 #     (errors of order mag).
 BF16_HALF_ULP = 2.0 ** -8

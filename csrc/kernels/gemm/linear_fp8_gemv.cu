@@ -12,38 +12,38 @@
 // so f16 mma after our own cvt is the same work, and it builds for sm_80 as well.
 //
 //   - A CTA owns 16 weight rows (the M of one mma) over all of K: N / 16 CTAs (256 for N = 4096,
-//     1536 for 24576), several per SM, scheduled dynamically as in the bf16 GEMV. 4 warps a CTA,
-//     or 8 where the CTAs fill at most two a SM (N = 4096: one wave, more warps to stream with).
-//     Measured (H200, us, 8 warps against 4): o 8.78 / 9.15, down 19.41 / 21.34, but qkv (384
-//     CTAs) 12.88 / 10.78 and gate_up 36.27 / 31.00. More weight in flight lost everywhere else
-//     (3 or 4 stages a warp, 16 warps), so latency is not what bounds it; so did converting e4m3
-//     by bit moves instead of cvt, and x quantized once by quantize_fp8 instead of in every CTA.
-//     Its 16 rows are one 16 x K contiguous block of the weight; warp w reads the 256-column
-//     stages w, w + 4, ... of it, so the CTA's reads at any moment are about 16 rows x 1 KB.
-//     The 4 warps' partial sums meet in shared memory at the end; every output is written once.
+//     1536 for 24576), several per SM, scheduled dynamically as in the bf16 GEMV; 8 warps.
+//   - The weight goes through shared memory: warp w copies the 512-column stages w, w + 8, ... of
+//     the CTA's 16 rows with cp.async (16 x 512 bytes, 8 KB, one stage a warp in flight), a warp
+//     instruction covering 512 contiguous bytes of one row. Loading the mma fragments straight
+//     from global memory instead (a load instruction then covers 64 bytes of each of 8 rows, two
+//     stages of registers a warp) streamed slower on every 8B shape (H100, us: qkv 13.84 against
+//     12.90, o 10.29 / 9.94, gate_up 40.72 / 36.34, down 23.95 / 22.52), as did 4 warps a CTA
+//     (qkv 12.33, o 10.67, gate_up 36.12, down 25.79: 0.3 us more over the four).
 //   - The mma fixes which lane holds what: lane (g, t) = (lane / 4, lane % 4) holds rows g and
 //     g + 8 at k = 2t, 2t + 1, 2t + 8, 2t + 9 of each k16 step. Any permutation of k that is the
 //     same for every row and for x gives the same dot product, so a lane reads 16 contiguous
-//     bytes of rows g and g + 8 at column 16 t (+ 64 j) and feeds them as four k16 steps; x is
-//     read from shared memory at the same columns. A warp's load instruction covers 64 bytes of
-//     each of 8 rows; its 4 loads of a stage, issued back to back, 256 contiguous bytes of each
-//     row.
-//   - Scales: a stage is two 128-groups. Each group's 8 mma accumulate from zero, then the sum is
+//     bytes of rows g and g + 8 at chunk 4 j + t of the stage (columns 64 j + 16 t ..) and feeds
+//     them as four k16 steps; x is read from shared memory at the same columns. Chunks are
+//     swizzled (stage_offset) so these reads meet no bank conflict.
+//   - Scales: a stage is four 128-groups. Each group's 8 mma accumulate from zero, then the sum is
 //     scaled once: acc += d * (weight_scale_inv[n / 128, g] * x_scale[g]) (one shared-memory
 //     word per group, computed while quantizing x). Only the summation order and the point at
-//     which the two scales multiply differ from reference.linear_fp8.
-//   - Loads as in the bf16 GEMV: ld.global.nc.L1::no_allocate, 16 bytes; two stages (8 loads a
-//     lane each) ping-pong, so 8..16 loads a lane are in flight; the first two stages are issued
-//     before griddepcontrol.wait and stay in flight while the CTA quantizes x (PDL launch on
-//     sm_90, trigger after the last store, as linear_gemv.cu measured best).
+//     which the two scales multiply differ from reference.linear_fp8. The 8 warps' partial sums
+//     meet in shared memory at the end; every output is written once.
+//   - The first stages are issued before griddepcontrol.wait and stay in flight while the CTA
+//     quantizes x (PDL launch on sm_90, trigger after the last store, as linear_gemv.cu
+//     measured best).
 //   - x: each CTA reads x [1, K] (2 K bytes, from L2), quantizes it (quantize_fp8.cuh: half a
 //     warp a group) and keeps the e4m3 values as f16 in shared memory (2 K bytes; 51 KB at K =
-//     25600), zero-padded to whole stages so the partial last group needs no branch.
+//     25600, beside the 64 KB of stages), zero-padded to whole stages so the partial last group
+//     needs no branch.
 //
 // fp8::gemv_tokens (T = 2..16, linear_fp8.cu picks it): the same pass with x [T, K] quantized
-// beforehand (quantize_fp8): the mma's 8 columns are 8 tokens, lane (g, t) reading token g's 16
-// e4m3 bytes at its own 16 columns (the permutation of k above, now on both operands) through
-// L1, where every CTA of an SM finds them. Each group's sum is scaled by w_scale * x_scale of its
+// beforehand (quantize_fp8), the weight's mma fragments loaded straight from global memory
+// (ld.global.nc.L1::no_allocate, 16 bytes; 256-column stages in registers): the mma's 8 columns
+// are 8 tokens, lane (g, t) reading token g's 16 e4m3 bytes at its own 16 columns (the
+// permutation of k above, now on both operands) through L1, where every CTA of an SM finds them. Each group's sum is scaled by w_scale * x_scale of its
 // token column. 4 warps and 2 stages a warp for one tile of 8 tokens; 8 warps and 1 stage for two
 // (the registers of a second x tile).
 #include <cuda_bf16.h>
@@ -54,6 +54,7 @@
 #include "linear_fp8.h"
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/launch.cuh"
+#include "qwen3_kernels/mma.cuh"
 #include "quantize_fp8.cuh"
 
 namespace qwen3_kernels::fp8 {
@@ -66,6 +67,11 @@ constexpr int kGroupsPerStage = kStageCols / kGroup;
 constexpr int kQuantUnroll = 4;             // x loads a lane has in flight while quantizing
 constexpr int kMaxDevices = 64;
 static_assert(kRows <= kGroup && kGroup % kRows == 0, "a CTA's rows share one weight block row");
+// The one-token kernel's stage: 16 rows x 512 columns in shared memory, one a warp.
+constexpr int kGemvWarps = 8;
+constexpr int kRowStageCols = 512;  // a warp's copy of one row: 32 lanes x 16 bytes
+constexpr int kRowStageGroups = kRowStageCols / kGroup;
+constexpr int kRowStageBytes = kRows * kRowStageCols;  // 8 KB
 
 // Rows g and g + 8 of one stage: chunk j is columns kb + 64 j + 16 t .. + 15.
 struct Stage {
@@ -100,42 +106,6 @@ __device__ __forceinline__ void to_half2x8(const uint4& w, uint32_t (&h)[8]) {
   e4m3x4_to_half2x2(w.y, h[2], h[3]);
   e4m3x4_to_half2x2(w.z, h[4], h[5]);
   e4m3x4_to_half2x2(w.w, h[6], h[7]);
-}
-
-// acc[0] (row g) and acc[1] (row g + 8) += this stage's dot products, group by group.
-// xh: x as f16 [k padded to stages]; sc: [groups] weight scale * x scale.
-__device__ __forceinline__ void compute_stage(const Stage& s, int kb, int lane_col, int k,
-                                              const uint16_t* xh, const float* sc,
-                                              float (&acc)[2]) {
-#pragma unroll
-  for (int h = 0; h < kGroupsPerStage; ++h) {
-    const int group = kb / kGroup + h;
-    if (group * kGroup >= k) break;  // uniform: past the last group
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int jj = 0; jj < kChunks / kGroupsPerStage; ++jj) {
-      const int j = h * (kChunks / kGroupsPerStage) + jj;
-      const int col = kb + 64 * j + lane_col;
-      const uint4 x0 = *reinterpret_cast<const uint4*>(xh + col);
-      const uint4 x1 = *reinterpret_cast<const uint4*>(xh + col + 8);
-      const uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-      uint32_t lo[8], hi[8];
-      to_half2x8(s.lo[j], lo);
-      to_half2x8(s.hi[j], hi);
-      // k16 step m: a lane's columns 4 m .. 4 m + 3 as the fragment's k 2t, 2t+1 (a0, a1) and
-      // 2t+8, 2t+9 (a2, a3), x at the same columns as b0, b1.
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
-        const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
-        mma_m16n8k16(d, a, b);
-      }
-    }
-    // d[0] = D[g][2t], d[2] = D[g + 8][2t]: every column of D is the same dot product
-    const float scale = sc[group];
-    acc[0] = fmaf(d[0], scale, acc[0]);
-    acc[1] = fmaf(d[2], scale, acc[1]);
-  }
 }
 
 // x [1, k] -> xh (its quantize_fp8 values as f16) and sc[g] = w_scale_row[g] * x_scale[g], for
@@ -178,50 +148,112 @@ __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
   }
 }
 
-// Grid ceil(n / 16) CTAs of kWarps warps; CTA b owns rows 16 b .. 16 b + 15. Dynamic shared memory:
-// [xh: stages * 256 f16][sc: stages * 2 fp32].
-template <int kWarps, bool kPdl>
-__global__ void __launch_bounds__(32 * kWarps)
+// ---- one token: fp8::gemv ---------------------------------------------------------------------
+
+// Chunk c (16 bytes) of stage row r sits at chunk c ^ 4 (r & 1): rows g and g + 1 fill opposite
+// halves of each 128-byte line of banks, so each 8-lane phase of the fragment loads (2 rows x 4
+// chunks) hits 8 different bank groups, as does each phase of the copies (8 chunks of one row).
+__device__ __forceinline__ int stage_offset(int r, int c) {
+  return r * kRowStageCols + 16 * (c ^ ((r & 1) << 2));
+}
+
+// A warp's copy of rows row0 .. row0 + 15, columns kb .. kb + 511 of the weight into its stage:
+// lane l copies chunk l of each row (a warp instruction: 512 contiguous bytes of one row).
+// Columns at or past k (k % 16 == 0: a chunk is all in or all out) and rows past n are zeros.
+__device__ __forceinline__ void copy_row_stage(uint32_t stage, const uint8_t* w, int row0, int n,
+                                               int k, int kb, int lane) {
+  const int col = kb + 16 * lane;
+  const uint8_t* src = w + static_cast<int64_t>(row0) * k + col;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const bool ok = col < k && row0 + r < n;
+    cp_async_16(stage + stage_offset(r, lane), ok ? src + static_cast<int64_t>(r) * k : w, ok);
+  }
+  cp_async_commit();
+}
+
+// acc[0] (row g) and acc[1] (row g + 8) += the stage's dot products, group by group; lane (g, t)
+// takes chunks 8 h + 4 jj + t of group h (the column permutation the top of the file describes).
+// xh: x as f16 [k padded to stages]; sc: [groups] weight scale * x scale.
+__device__ __forceinline__ void compute_row_stage(const uint8_t* stage, int kb, int g, int t, int k,
+                                                  const uint16_t* xh, const float* sc,
+                                                  float (&acc)[2]) {
+#pragma unroll
+  for (int h = 0; h < kRowStageGroups; ++h) {
+    const int group = kb / kGroup + h;
+    if (group * kGroup >= k) break;  // uniform: past the last group
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int jj = 0; jj < kGroup / 64; ++jj) {
+      const int c = 8 * h + 4 * jj + t;
+      const uint4 w_lo = *reinterpret_cast<const uint4*>(stage + stage_offset(g, c));
+      const uint4 w_hi = *reinterpret_cast<const uint4*>(stage + stage_offset(g + 8, c));
+      const uint4 x0 = *reinterpret_cast<const uint4*>(xh + kb + 16 * c);
+      const uint4 x1 = *reinterpret_cast<const uint4*>(xh + kb + 16 * c + 8);
+      const uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      uint32_t lo[8], hi[8];
+      to_half2x8(w_lo, lo);
+      to_half2x8(w_hi, hi);
+      // k16 step m: a lane's columns 4 m .. 4 m + 3 as the fragment's k 2t, 2t+1 (a0, a1) and
+      // 2t+8, 2t+9 (a2, a3), x at the same columns as b0, b1.
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
+        const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
+        mma_m16n8k16(d, a, b);
+      }
+    }
+    // d[0] = D[g][2t], d[2] = D[g + 8][2t]: every column of D is the same dot product
+    const float scale = sc[group];
+    acc[0] = fmaf(d[0], scale, acc[0]);
+    acc[1] = fmaf(d[2], scale, acc[1]);
+  }
+}
+
+// Grid ceil(n / 16) CTAs of kGemvWarps warps; CTA b owns rows 16 b .. 16 b + 15, warp w the
+// stages w, w + kGemvWarps, ... Dynamic shared memory: [kGemvWarps stages of 16 x 512 e4m3]
+// [xh: stages * 512 f16][sc: stages * 4 fp32].
+template <bool kPdl>
+__global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_kernel(__nv_bfloat16* __restrict__ out,      // [1, n]
                 const __nv_bfloat16* __restrict__ x,  // [1, k]
                 const uint8_t* __restrict__ w,        // [n, k] e4m3
                 const float* __restrict__ w_scales,   // [ceil(n / 128), ceil(k / 128)]
                 int n, int k) {
   extern __shared__ uint4 smem[];
-  __shared__ float partial[kWarps][kRows];
-  const int stages = (k + kStageCols - 1) / kStageCols;
+  __shared__ float partial[kGemvWarps][kRows];
+  const int stages = (k + kRowStageCols - 1) / kRowStageCols;
   const int groups = (k + kGroup - 1) / kGroup;
-  auto* xh = reinterpret_cast<uint16_t*>(smem);
-  auto* sc = reinterpret_cast<float*>(xh + stages * kStageCols);
+  auto* stage_bufs = reinterpret_cast<uint8_t*>(smem);
+  auto* xh = reinterpret_cast<uint16_t*>(stage_bufs + kGemvWarps * kRowStageBytes);
+  auto* sc = reinterpret_cast<float*>(xh + stages * kRowStageCols);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, lane_col = 16 * (lane % 4);
+  const int g = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * kRows;
-  // n % 8 == 0: rows g + 8 .. of the last CTA are all past n or none is
-  const bool lo_ok = row0 + g < n, hi_ok = row0 + g + 8 < n;
-  const uint8_t* row_lo = w + static_cast<int64_t>(lo_ok ? row0 + g : 0) * k;
-  const uint8_t* row_hi = w + static_cast<int64_t>(hi_ok ? row0 + g + 8 : 0) * k;
+  const uint8_t* stage = stage_bufs + warp * kRowStageBytes;
+  const uint32_t stage_addr = smem_addr(stage);
 
-  // The weight is no kernel's output: its first two stages stream in while the kernel before
+  // The weight is no kernel's output: the first stages stream in while the kernel before
   // finishes and while x is quantized.
-  Stage a, b;
-  load_stage(a, row_lo, row_hi, lo_ok, hi_ok, warp * kStageCols, lane_col, k);
-  load_stage(b, row_lo, row_hi, lo_ok, hi_ok, (warp + kWarps) * kStageCols, lane_col, k);
+  if (warp < stages) copy_row_stage(stage_addr, w, row0, n, k, warp * kRowStageCols, lane);
   if constexpr (kPdl) pdl_wait();  // x may be the previous kernel's output, out its input
 
-  quantize_x<32 * kWarps>(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k, groups,
-             stages * kGroupsPerStage, xh, sc);
+  quantize_x<32 * kGemvWarps>(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k,
+                              groups, stages * kRowStageGroups, xh, sc);
   __syncthreads();
 
   float acc[2] = {0.f, 0.f};
-  for (int s = warp; s < stages; s += 2 * kWarps) {
-    compute_stage(a, s * kStageCols, lane_col, k, xh, sc, acc);
-    load_stage(a, row_lo, row_hi, lo_ok, hi_ok, (s + 2 * kWarps) * kStageCols, lane_col, k);
-    if (s + kWarps < stages) compute_stage(b, (s + kWarps) * kStageCols, lane_col, k, xh, sc, acc);
-    load_stage(b, row_lo, row_hi, lo_ok, hi_ok, (s + 3 * kWarps) * kStageCols, lane_col, k);
+  for (int s = warp; s < stages; s += kGemvWarps) {
+    cp_async_wait<0>();
+    __syncwarp();  // every lane's copies have landed
+    compute_row_stage(stage, s * kRowStageCols, g, t, k, xh, sc, acc);
+    __syncwarp();  // every lane is done reading before the next copy overwrites
+    if (s + kGemvWarps < stages)
+      copy_row_stage(stage_addr, w, row0, n, k, (s + kGemvWarps) * kRowStageCols, lane);
   }
 
-  if (lane % 4 == 0) {
+  if (t == 0) {
     partial[warp][g] = acc[0];
     partial[warp][g + 8] = acc[1];
   }
@@ -229,7 +261,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   if (threadIdx.x < kRows && row0 + static_cast<int>(threadIdx.x) < n) {
     float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < kWarps; ++i) sum += partial[i][threadIdx.x];
+    for (int i = 0; i < kGemvWarps; ++i) sum += partial[i][threadIdx.x];
     out[row0 + threadIdx.x] = __float2bfloat16_rn(sum);
   }
   // The next PDL kernel is scheduled only once every CTA got here (linear_gemv.cu: its CTAs then
@@ -381,13 +413,14 @@ __global__ void __launch_bounds__(32 * kWarps)
 }
 
 size_t smem_bytes(int64_t k) {
-  const int64_t stages = (k + kStageCols - 1) / kStageCols;
-  return static_cast<size_t>(stages * kStageCols * 2 + stages * kGroupsPerStage * 4);
+  const int64_t stages = (k + kRowStageCols - 1) / kRowStageCols;
+  return static_cast<size_t>(kGemvWarps * kRowStageBytes + stages * kRowStageCols * 2 +
+                             stages * kRowStageGroups * 4);
 }
 
-// Above 48 KB of shared memory (K > ~24000) a kernel must opt in, per device: once per device
-// each kernel is allowed all the device offers (setting the same value twice is harmless); a K
-// beyond that then fails at the launch.
+// Above 48 KB of shared memory (the one-token kernel's stages alone are 64 KB) a kernel must opt
+// in, per device: once per device each kernel is allowed all the device offers (setting the same
+// value twice is harmless); a K beyond that (~80000) then fails at the launch.
 cudaError_t allow_all_smem(const void* kernel, std::atomic<bool> (&done)[kMaxDevices]) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -421,21 +454,13 @@ cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales,
   auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* wb = static_cast<const uint8_t*>(w);
   const int ni = static_cast<int>(n), ki = static_cast<int>(k);
-  const DeviceInfo d = current_device_info();
-  const bool pdl = d.cc_major >= 9;
-  // The CTA's warps, by the grid (see the top of the file): 8 when the CTAs fill at most two a
-  // SM, else 4.
-  const bool wide = static_cast<int64_t>(grid.x) <= 2 * static_cast<int64_t>(d.num_sms);
-  auto kernel = wide ? (pdl ? gemv_kernel<8, true> : gemv_kernel<8, false>)
-                     : (pdl ? gemv_kernel<4, true> : gemv_kernel<4, false>);
-  if (smem > 48 * 1024) {
-    static std::atomic<bool> allowed[4][kMaxDevices];
-    const cudaError_t err =
-        allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[2 * wide + pdl]);
-    if (err != cudaSuccess) return err;
-  }
-  return launch_ex(kernel, LaunchConfig(grid, dim3(wide ? 256 : 128), smem, stream, pdl, 1), o,
-                   xb, wb, w_scales, ni, ki);
+  const bool pdl = current_device_info().cc_major >= 9;
+  auto kernel = pdl ? gemv_kernel<true> : gemv_kernel<false>;
+  static std::atomic<bool> allowed[2][kMaxDevices];
+  const cudaError_t err = allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[pdl]);
+  if (err != cudaSuccess) return err;
+  return launch_ex(kernel, LaunchConfig(grid, dim3(32 * kGemvWarps), smem, stream, pdl, 1), o, xb,
+                   wb, w_scales, ni, ki);
 }
 
 bool tokens_gemv_fits(int64_t t, int64_t n) {

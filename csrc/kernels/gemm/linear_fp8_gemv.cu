@@ -16,10 +16,12 @@
 //   - The weight goes through shared memory: warp w copies the 512-column stages w, w + 8, ... of
 //     the CTA's 16 rows with cp.async (16 x 512 bytes, 8 KB, one stage a warp in flight), a warp
 //     instruction covering 512 contiguous bytes of one row. Loading the mma fragments straight
-//     from global memory instead (a load instruction then covers 64 bytes of each of 8 rows, two
-//     stages of registers a warp) streamed slower on every 8B shape (H100, us: qkv 13.84 against
-//     12.90, o 10.29 / 9.94, gate_up 40.72 / 36.34, down 23.95 / 22.52), as did 4 warps a CTA
-//     (qkv 12.33, o 10.67, gate_up 36.12, down 25.79: 0.3 us more over the four).
+//     from global memory instead (a load instruction then covers 64 bytes of each of 8 rows; two
+//     256-column stages of registers a warp, 4 or 8 warps) streamed slower on every 8B shape
+//     (bench_linear_fp8.py -k "decode and T1", H100, us, this kernel against that one: qkv 12.71
+//     / 13.78, o 9.86 / 10.43, gate_up 36.71 / 41.05, down 22.60 / 24.47; Qwen3-8B-FP8 batch 1
+//     267.5 / 248.7 decode tok/s). 4 warps a CTA here lost 3.2 us over the four (a standalone
+//     harness, H100).
 //   - The mma fixes which lane holds what: lane (g, t) = (lane / 4, lane % 4) holds rows g and
 //     g + 8 at k = 2t, 2t + 1, 2t + 8, 2t + 9 of each k16 step. Any permutation of k that is the
 //     same for every row and for x gives the same dot product, so a lane reads 16 contiguous

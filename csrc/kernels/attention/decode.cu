@@ -654,8 +654,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   float* sm = so + kWarps * kRows * kMergeStride;               // [kWarps][kRows] maxima
   float* sl = sm + kWarps * kRows;                              // [kWarps][kRows] sums
   {
-    float* r0 = so + (warp * kRows + g) * kMergeStride + 2 * t;
-    float* r1 = r0 + 8 * kMergeStride;
     if constexpr (kFp8) {
       // o[j][e]: dim 32 t + 16 (e & 1) + j (fp8_pv), so four j are four consecutive dims
       float* f0 = so + (warp * kRows + g) * kMergeStride + 32 * t;
@@ -671,6 +669,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
         }
       }
     } else {
+      // o[j][e]: dim 8 j + 2 t + (e & 1)
+      float* r0 = so + (warp * kRows + g) * kMergeStride + 2 * t;
+      float* r1 = r0 + 8 * kMergeStride;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         *reinterpret_cast<float2*>(r0 + 8 * j) = make_float2(o[j][0], o[j][1]);

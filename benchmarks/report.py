@@ -463,8 +463,9 @@ def plot_linear_fp8(plt, doc, path: Path):
         if bf16:
             ax.axhline(bf16, color="gray", ls=":", lw=1.2,
                        label=f"bf16 ceiling (cuBLAS 8192^3): {bf16:g} TFLOP/s")
-        ax.set_xticks(list(xs), [r["case"].replace(" K=", "\nK=") for r in gemm], rotation=45,
-                      ha="right", fontsize=7)
+        # "8B qkv N=6144 K=4096 M=2048" -> "8B qkv M=2048": the projection names the shape
+        ax.set_xticks(list(xs), [" ".join(r["case"].split()[:2] + r["case"].split()[-1:])
+                                 for r in gemm], rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("TFLOP/s")
         ax.set_ylim(0, 1.35 * max(max(v) for _, v in series))
         ax.set_title("block-scaled FP8 GEMM, large M", fontsize=9)

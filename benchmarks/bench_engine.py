@@ -371,7 +371,7 @@ def run_profile(llm: LLM, num_seqs: int, context: tuple[int, int], steps: int = 
           f"({replayed} from CUDA graphs; {'overlapped loop' if overlap else 'step() by step()'})")
     print(f"  host wall {wall_us:,.0f} us/step; GPU kernels {gpu_us:,.0f} us/step "
           f"({gpu_us / wall_us:.0%} busy, gap {wall_us - gpu_us:,.0f} us)")
-    print(f"  roofline: weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at "
+    print(f"  roofline: weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at the H200's "
           f"{H200_READ_TBS} TB/s = {ideal_us:,.0f} us/step; kernels at {ideal_us / gpu_us:.0%} "
           f"of it, the step at {ideal_us / wall_us:.0%}")
     print(f"  | kernel | calls/step | us/step | share |\n  |---|---|---|---|")
@@ -613,8 +613,8 @@ def main(argv=None):
                   + (f", tensor parallel {tp} (bandwidth per GPU)" if tp > 1 else "") + ":")
             print(f"  ours: {decode_tps:,.1f} decode tok/s ({e2e_tps:,.1f} end to end); weights "
                   f"{bytes_per_token / 1e9:.2f} GB/token -> {bw:.2f} TB/s = "
-                  f"{bw / H200_READ_TBS:.0%} of the {H200_READ_TBS} TB/s read ceiling "
-                  f"(roofline {H200_READ_TBS * 1e12 / bytes_per_token:,.0f} tok/s)")
+                  f"{bw / H200_READ_TBS:.0%} of the H200's {H200_READ_TBS} TB/s read ceiling "
+                  f"(roofline there {H200_READ_TBS * 1e12 / bytes_per_token:,.0f} tok/s)")
             if clocks.samples:
                 print(clocks.describe())
             result.update(mode="batch1", decode_tok_s=decode_tps, e2e_tok_s=e2e_tps,

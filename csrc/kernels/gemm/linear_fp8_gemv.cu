@@ -241,7 +241,12 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   // The weight is no kernel's output: the first stages stream in while the kernel before
   // finishes and while x is quantized.
   if (warp < stages) copy_row_stage(stage_addr, w, row0, n, k, warp * kRowStageCols, lane);
-  if constexpr (kPdl) pdl_wait();  // x may be the previous kernel's output, out its input
+  if constexpr (kPdl) {
+    pdl_wait();  // x may be the previous kernel's output, out its input
+    // The next kernel may launch now: its griddepcontrol.wait still waits for this whole grid,
+    // and its launch and prologue overlap this one's stream.
+    pdl_launch_dependents();
+  }
 
   quantize_x<32 * kGemvWarps>(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k,
                               groups, stages * kRowStageGroups, xh, sc);
@@ -268,9 +273,6 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     for (int i = 0; i < kGemvWarps; ++i) sum += partial[i][threadIdx.x];
     out[row0 + threadIdx.x] = __float2bfloat16_rn(sum);
   }
-  // The next PDL kernel is scheduled only once every CTA got here (linear_gemv.cu: its CTAs then
-  // find the SMs nearly empty).
-  if constexpr (kPdl) pdl_launch_dependents();
 }
 
 // ---- a few tokens: fp8::gemv_tokens ----------------------------------------------------------

@@ -116,6 +116,19 @@ __device__ __forceinline__ void to_half2x8(const uint4& w, uint32_t (&h)[8]) {
   e4m3x4_to_half2x2(w.w, h[6], h[7]);
 }
 
+// d += one 16-column chunk of rows g (lo) and g + 8 (hi) times x at the same columns (xb), as
+// four k16 steps: step m takes a lane's columns 4 m .. 4 m + 3 as the fragment's k 2t, 2t+1
+// (a0, a1) and 2t+8, 2t+9 (a2, a3), x at the same columns as b0, b1.
+__device__ __forceinline__ void mma_chunk(float (&d)[4], const uint32_t (&lo)[8],
+                                          const uint32_t (&hi)[8], const uint32_t (&xb)[8]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
+    const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
+    mma_m16n8k16(d, a, b);
+  }
+}
+
 // x [1, k] -> xh (its quantize_fp8 values as f16) and sc[g] = w_scale_row[g] * x_scale[g], for
 // every group up to the padded end (groups past k come out as zeros). Half a warp a group, the
 // CTA's 8 half-warps kQuantUnroll groups apart; the x and scale loads of kQuantUnroll groups are
@@ -202,14 +215,7 @@ __device__ __forceinline__ void compute_row_stage(const uint8_t* stage, int kb, 
       uint32_t lo[8], hi[8];
       to_half2x8(w_lo, lo);
       to_half2x8(w_hi, hi);
-      // k16 step m: a lane's columns 4 m .. 4 m + 3 as the fragment's k 2t, 2t+1 (a0, a1) and
-      // 2t+8, 2t+9 (a2, a3), x at the same columns as b0, b1.
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
-        const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
-        mma_m16n8k16(d, a, b);
-      }
+      mma_chunk(d, lo, hi, xb);
     }
     // d[0] = D[g][2t], d[2] = D[g + 8][2t]: every column of D is the same dot product
     const float scale = sc[group];
@@ -325,12 +331,7 @@ __device__ __forceinline__ void compute_token_stage(const TokenStage<NT>& s, int
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t xb[8];
         to_half2x8(s.x[nt][j], xb);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const uint32_t a[4] = {lo[2 * m], hi[2 * m], lo[2 * m + 1], hi[2 * m + 1]};
-          const uint32_t b[2] = {xb[2 * m], xb[2 * m + 1]};
-          mma_m16n8k16(d[nt], a, b);
-        }
+        mma_chunk(d[nt], lo, hi, xb);
       }
     }
     const float ws = __ldg(w_scale_row + group);

@@ -4,7 +4,8 @@
 # GEMM's file, so it reaches each configuration directly; quantize_fp8.cu makes its xq). Needs nvcc
 # and the nvidia-cutlass package (CUTLASS_DIR to override); no torch, no GPU. Several minutes: the
 # CUTLASS instantiations.
-#   bash benchmarks/linear_fp8_ab/build.sh && benchmarks/linear_fp8_ab/build/ab [rounds]
+#   bash benchmarks/linear_fp8_ab/build.sh && benchmarks/linear_fp8_ab/build/ab [rounds] [large]
+# (`large`: 8B and 32B projections at M = 2048..8192, Coop128 against its scheduler variants)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "ab_common.cuh"
@@ -33,11 +34,52 @@ using Coop128Mc = f::BlockScaledGemm<
     cutlass::gemm::StreamKScheduler>;
 constexpr int kCoop128Mc = 100;  // its contender id, past every f::Config
 
+// Coop128 with the tile scheduler's arguments set (fp8::gemm leaves CUTLASS's defaults: heuristic
+// decomposition and raster order, no swizzle): whether large M meets its operands in L2 more often
+// in another order, or loses to stream-K's partial tiles in the last wave. Ids past kCoop128Mc.
+using Dm = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90StreamKParams::DecompositionMode;
+using Ro = cutlass::gemm::kernel::detail::RasterOrderOptions;
+struct Sched {
+  int swizzle;
+  Ro raster;
+  Dm decomposition;
+};
+constexpr int kSched0 = 101;
+constexpr Sched kScheds[] = {
+    {1, Ro::Heuristic, Dm::DataParallel},
+    {2, Ro::AlongM, Dm::Heuristic}, {2, Ro::AlongN, Dm::Heuristic},
+    {4, Ro::AlongM, Dm::Heuristic}, {4, Ro::AlongN, Dm::Heuristic},
+    {8, Ro::AlongM, Dm::Heuristic}, {8, Ro::AlongN, Dm::Heuristic},
+};
+constexpr int kSchedCount = sizeof(kScheds) / sizeof(kScheds[0]);
+bool is_sched(int config) { return config >= kSched0 && config < kSched0 + kSchedCount; }
+
+typename f::Coop128::Gemm::Arguments sched_arguments(int config, const f::Call& c) {
+  auto args = f::Coop128::arguments(c);
+  const Sched& sc = kScheds[config - kSched0];
+  args.scheduler.max_swizzle_size = sc.swizzle;
+  args.scheduler.raster_order = sc.raster;
+  args.scheduler.decomposition_mode = sc.decomposition;
+  return args;
+}
+cudaError_t run_sched(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
+  using G = f::Coop128::Gemm;
+  const auto args = sched_arguments(config, c);
+  if (G::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
+  if (G::get_workspace_size(args) > bytes) return cudaErrorInvalidValue;
+  G gemm;
+  if (gemm.initialize(args, ws, s) != cutlass::Status::kSuccess) return cudaErrorUnknown;
+  if (gemm.run(s, nullptr, /*launch_with_pdl=*/true) != cutlass::Status::kSuccess)
+    return cudaErrorLaunchFailure;
+  return cudaGetLastError();
+}
+
 // Every configuration, whether or not fp8::gemm's choose() returns it.
 template <class G>
 size_t ws_of(const f::Call& c) { return G::workspace_size(c); }
 size_t workspace_of(int config, const f::Call& c) {
   if (config == kCoop128Mc) return ws_of<Coop128Mc>(c);
+  if (is_sched(config)) return f::Coop128::Gemm::get_workspace_size(sched_arguments(config, c));
   switch (static_cast<f::Config>(config)) {
     case f::Config::kPingpong64: return ws_of<f::Pingpong64>(c);
     case f::Config::kSwapCoop128x64: return ws_of<f::SwapCoop128x64>(c);
@@ -49,6 +91,7 @@ size_t workspace_of(int config, const f::Call& c) {
 }
 cudaError_t run_any(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
   if (config == kCoop128Mc) return Coop128Mc::run(c, ws, bytes, s);
+  if (is_sched(config)) return run_sched(config, c, ws, bytes, s);
   switch (static_cast<f::Config>(config)) {
     case f::Config::kPingpong64: return f::Pingpong64::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x64: return f::SwapCoop128x64::run(c, ws, bytes, s);
@@ -75,6 +118,11 @@ constexpr Contender kContenders[] = {
     {"swap_coop128x16", static_cast<int>(f::Config::kSwapCoop128x16)},
     {"swap_coop128x32", static_cast<int>(f::Config::kSwapCoop128x32)},
     {"stream", kStream},
+    // `large` only (see main):
+    {"coop128_dp", kSched0 + 0},
+    {"coop128_sw2m", kSched0 + 1}, {"coop128_sw2n", kSched0 + 2},
+    {"coop128_sw4m", kSched0 + 3}, {"coop128_sw4n", kSched0 + 4},
+    {"coop128_sw8m", kSched0 + 5}, {"coop128_sw8n", kSched0 + 6},
 };
 constexpr int kCount = sizeof(kContenders) / sizeof(kContenders[0]);
 
@@ -99,13 +147,30 @@ cudaError_t run(const Contender& ct, f::Call c, const Inputs& in, int copy, void
   return cudaErrorNotSupported;
 }
 
+// ab [rounds] [large]: `large` times Qwen3-8B's and 32B's projections at M = 2048 / 4096 / 8192
+// (bench_linear_fp8.py's GEMM rows), Coop128 against itself with other scheduler arguments, and
+// Pingpong64 / Coop128Mc; without it, 8B's projections at every M and every configuration but
+// those scheduler variants.
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? atoi(argv[1]) : 5;
+  const bool large = argc > 2 && std::string(argv[2]) == "large";
   const int iters = 20;
   struct Proj { const char* name; int n, k; };
-  const Proj projs[] = {{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
+  const std::vector<Proj> projs = large ?
+      std::vector<Proj>{{"8B qkv", 6144, 4096}, {"8B o", 4096, 4096}, {"8B gate_up", 24576, 4096},
+                        {"8B down", 4096, 12288}, {"32B qkv", 10240, 5120}, {"32B o", 5120, 8192},
+                        {"32B gate_up", 51200, 5120}, {"32B down", 5120, 25600}} :
+      std::vector<Proj>{{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
                         {"down", 4096, 12288}};
-  const int ms[] = {1, 2, 4, 8, 16, 17, 32, 64, 96, 128, 176, 256, 384, 512, 2048, 4096};
+  const std::vector<int> ms = large ? std::vector<int>{2048, 4096, 8192} :
+      std::vector<int>{1, 2, 4, 8, 16, 17, 32, 64, 96, 128, 176, 256, 384, 512, 2048, 4096};
+  // which contenders run: `large` the Coop128 family, else all but the scheduler variants
+  auto wanted = [&](const Contender& ct) {
+    if (large) return ct.config == static_cast<int>(f::Config::kCoop128) ||
+                      ct.config == static_cast<int>(f::Config::kPingpong64) ||
+                      ct.config == kCoop128Mc || is_sched(ct.config);
+    return !is_sched(ct.config);
+  };
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
@@ -155,7 +220,9 @@ int main(int argc, char** argv) {
       std::vector<__nv_bfloat16> ref(m * n), got(m * n);
       float best[kCount];
       bool ok[kCount];
-      for (int i = 0; i < kCount; ++i) best[i] = 1e30f, ok[i] = !(kContenders[i].config == kStream && m > 16);
+      for (int i = 0; i < kCount; ++i)
+        best[i] = 1e30f,
+        ok[i] = wanted(kContenders[i]) && !(kContenders[i].config == kStream && m > 16);
       for (int r = 0; r < rounds; ++r) {
         for (int ci = 0; ci < kCount; ++ci) {
           if (!ok[ci]) continue;
@@ -175,7 +242,9 @@ int main(int argc, char** argv) {
             if (ci > 0) {
               float diff = 0.f, mag = 0.f;
               size_t bad = 0;
-              for (size_t i = 0; i < ref.size(); ++i) {
+              // every element up to 16M outputs, a strided sample above (the host loop)
+              const size_t step = std::max<size_t>(1, ref.size() / (16u << 20));
+              for (size_t i = 0; i < ref.size(); i += step) {
                 const float a = __bfloat162float(ref[i]), b = __bfloat162float(got[i]);
                 if (!std::isfinite(a) || !std::isfinite(b)) ++bad;
                 else diff = std::max(diff, std::fabs(a - b));
@@ -197,7 +266,7 @@ int main(int argc, char** argv) {
           best[ci] = std::min(best[ci], ms_ * 1000.f / iters);
         }
       }
-      printf("%-8s M=%-4d", pj.name, m);
+      printf("%-11s M=%-4d", pj.name, m);
       for (int ci = 0; ci < kCount; ++ci) {
         if (!ok[ci]) continue;
         const bool is_chosen = kContenders[ci].config == static_cast<int>(chosen);

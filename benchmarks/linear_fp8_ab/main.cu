@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,51 @@ using Coop128Mc = f::BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecializedCooperative,
     cutlass::gemm::StreamKScheduler>;
 constexpr int kCoop128Mc = 100;  // its contender id, past every f::Config
+
+// The configurations fp8::gemm runs (f::Coop128 ...) overlap each k-tile's promotion with the next
+// k-tile's wgmma (OverlappedPromotion). The same configurations on CUTLASS's own mainloop (the
+// promotion after a wgmma.wait_group 0 every k-tile), ids from kCutlass0 in f::Config's order:
+// the first of them, Coop128's, is every output's reference.
+template <class Tile, class Cluster, class Schedule, class Epi, class Sched, bool kSwap>
+using CutlassMainloop = f::BlockScaledGemm<Tile, Cluster, Schedule, Epi, Sched, kSwap, false>;
+using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+using Pp = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
+using PpEpi = cutlass::epilogue::TmaWarpSpecialized;
+using SK = cutlass::gemm::StreamKScheduler;
+using PS = cutlass::gemm::PersistentScheduler;
+using cute::_1; using cute::_2; using cute::_16; using cute::_32; using cute::_64;
+using cute::_128; using cute::Shape;
+using ClCoop128 = CutlassMainloop<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, CoopEpi, SK, false>;
+using ClPingpong64 = CutlassMainloop<Shape<_64, _128, _128>, Shape<_1, _2, _1>, Pp, PpEpi, PS, false>;
+using ClSwapCoop128x64 = CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+using ClSwapPingpong128x64 = CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Pp, PpEpi, PS, true>;
+using ClSwapCoop128x16 = CutlassMainloop<Shape<_128, _16, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+using ClSwapCoop128x32 = CutlassMainloop<Shape<_128, _32, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+constexpr int kCutlass0 = 200;
+bool is_cutlass(int config) { return config >= kCutlass0 && config < kCutlass0 + 6; }
+template <class G>
+size_t cl_ws(const f::Call& c) { return G::workspace_size(c); }
+size_t cutlass_workspace(int config, const f::Call& c) {
+  switch (static_cast<f::Config>(config - kCutlass0)) {
+    case f::Config::kPingpong64: return cl_ws<ClPingpong64>(c);
+    case f::Config::kSwapCoop128x64: return cl_ws<ClSwapCoop128x64>(c);
+    case f::Config::kSwapPingpong128x64: return cl_ws<ClSwapPingpong128x64>(c);
+    case f::Config::kSwapCoop128x16: return cl_ws<ClSwapCoop128x16>(c);
+    case f::Config::kSwapCoop128x32: return cl_ws<ClSwapCoop128x32>(c);
+    default: return cl_ws<ClCoop128>(c);
+  }
+}
+cudaError_t run_cutlass(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
+  switch (static_cast<f::Config>(config - kCutlass0)) {
+    case f::Config::kPingpong64: return ClPingpong64::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x64: return ClSwapCoop128x64::run(c, ws, bytes, s);
+    case f::Config::kSwapPingpong128x64: return ClSwapPingpong128x64::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x16: return ClSwapCoop128x16::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x32: return ClSwapCoop128x32::run(c, ws, bytes, s);
+    default: return ClCoop128::run(c, ws, bytes, s);
+  }
+}
 
 // Coop128 with the tile scheduler's arguments set (fp8::gemm leaves CUTLASS's defaults: heuristic
 // decomposition and raster order, no swizzle): whether large M meets its operands in L2 more often
@@ -78,6 +125,7 @@ cudaError_t run_sched(int config, const f::Call& c, void* ws, size_t bytes, cuda
 template <class G>
 size_t ws_of(const f::Call& c) { return G::workspace_size(c); }
 size_t workspace_of(int config, const f::Call& c) {
+  if (is_cutlass(config)) return cutlass_workspace(config, c);
   if (config == kCoop128Mc) return ws_of<Coop128Mc>(c);
   if (is_sched(config)) return f::Coop128::Gemm::get_workspace_size(sched_arguments(config, c));
   switch (static_cast<f::Config>(config)) {
@@ -90,6 +138,7 @@ size_t workspace_of(int config, const f::Call& c) {
   }
 }
 cudaError_t run_any(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
+  if (is_cutlass(config)) return run_cutlass(config, c, ws, bytes, s);
   if (config == kCoop128Mc) return Coop128Mc::run(c, ws, bytes, s);
   if (is_sched(config)) return run_sched(config, c, ws, bytes, s);
   switch (static_cast<f::Config>(config)) {
@@ -109,8 +158,15 @@ struct Contender {
   const char* name;
   int config;  // f::Config, kCoop128Mc or kStream
 };
+constexpr int cl(f::Config c) { return kCutlass0 + static_cast<int>(c); }
 constexpr Contender kContenders[] = {
+    {"cl_coop128", cl(f::Config::kCoop128)},  // the reference: first
     {"coop128", static_cast<int>(f::Config::kCoop128)},
+    {"cl_pp64", cl(f::Config::kPingpong64)},
+    {"cl_swap_coop128x64", cl(f::Config::kSwapCoop128x64)},
+    {"cl_swap_pp128x64", cl(f::Config::kSwapPingpong128x64)},
+    {"cl_swap_coop128x16", cl(f::Config::kSwapCoop128x16)},
+    {"cl_swap_coop128x32", cl(f::Config::kSwapCoop128x32)},
     {"pp64", static_cast<int>(f::Config::kPingpong64)},
     {"swap_coop128x64", static_cast<int>(f::Config::kSwapCoop128x64)},
     {"swap_pp128x64", static_cast<int>(f::Config::kSwapPingpong128x64)},
@@ -168,6 +224,8 @@ int main(int argc, char** argv) {
   auto wanted = [&](const Contender& ct) {
     if (large) return ct.config == static_cast<int>(f::Config::kCoop128) ||
                       ct.config == static_cast<int>(f::Config::kPingpong64) ||
+                      ct.config == cl(f::Config::kCoop128) ||
+                      ct.config == cl(f::Config::kPingpong64) ||
                       ct.config == kCoop128Mc || is_sched(ct.config);
     return !is_sched(ct.config);
   };
@@ -218,6 +276,7 @@ int main(int argc, char** argv) {
       void* work = nullptr;
       if (ws_bytes) CK(cudaMalloc(&work, ws_bytes));
       std::vector<__nv_bfloat16> ref(m * n), got(m * n);
+      std::map<int, std::vector<__nv_bfloat16>> cl_out;  // round 0's CUTLASS-mainloop outputs
       float best[kCount];
       bool ok[kCount];
       for (int i = 0; i < kCount; ++i)
@@ -239,6 +298,16 @@ int main(int argc, char** argv) {
           if (r == 0) {
             CK(cudaMemcpy(ci == 0 ? ref.data() : got.data(), out, m * n * 2,
                           cudaMemcpyDeviceToHost));
+            const std::vector<__nv_bfloat16>& mine = ci == 0 ? ref : got;
+            if (is_cutlass(ct.config)) cl_out[ct.config - kCutlass0] = mine;
+            auto twin = cl_out.find(ct.config);  // an overlapped configuration's CUTLASS twin
+            if (twin != cl_out.end()) {
+              size_t differ = 0;
+              for (size_t i = 0; i < mine.size(); ++i)
+                differ += std::memcmp(&mine[i], &twin->second[i], 2) != 0;
+              printf("  %s M=%d %s: %s%zu of %zu outputs differ from CUTLASS's mainloop\n",
+                     pj.name, m, ct.name, differ ? "" : "bit-identical, ", differ, mine.size());
+            }
             if (ci > 0) {
               float diff = 0.f, mag = 0.f;
               size_t bad = 0;
@@ -251,7 +320,7 @@ int main(int argc, char** argv) {
                 mag = std::max(mag, std::fabs(a));
               }
               if (bad || diff > 1e-2f * mag)
-                printf("  %s M=%d %s vs coop128: max |diff| %.4g of max |out| %.4g, "
+                printf("  %s M=%d %s vs cl_coop128: max |diff| %.4g of max |out| %.4g, "
                        "non-finite %zu\n", pj.name, m, ct.name, diff, mag, bad);
             }
           }

@@ -10,9 +10,9 @@
 //      group per k-tile) into a multi-stage shared-memory ring; a producer warp group issues
 //      them, consumer warp groups run e4m3 wgmma with fp32 accumulation.
 //   2. Scales in the mainloop: each k-tile's wgmma accumulate into a fresh fp32 register tile,
-//      which is then added to the running sum times x_scale[row] * w_scale (CUTLASS's
-//      GmmaFP8Accumulation "promotion" every 128 of K), so no product is ever formed in fp8
-//      range. The activation scales are one per row (SFA granularity 1 x 128, MN-major: a tile's
+//      which is then added to the running sum times x_scale[row] * w_scale (the "promotion"
+//      every 128 of K), so no product is ever formed in fp8 range. The promotion of k-tile t
+//      runs while k-tile t+1's wgmma do (OverlappedPromotion, below), not between them. The activation scales are one per row (SFA granularity 1 x 128, MN-major: a tile's
 //      128 or 64 row scales are one contiguous TMA box per k-tile); the weight scale is one per
 //      tile (SFB granularity 128 x 128, K-major: w_scales row-major as the checkpoint stores it).
 //   3. K need not be a multiple of 128: the last k-tile's TMA zero-fills past K, so the partial
@@ -83,6 +83,158 @@ struct ScalesAfterWait : Base {
   }
 };
 
+// The consumer side of the mainloop with each k-tile's promotion overlapped with the next k-tile's
+// wgmma. CUTLASS's blockwise mainloop (4.2) issues a k-tile's wgmma into a temporary fp32 tile,
+// waits for them (wgmma.wait_group 0), then adds temporary x scales into the output tile: the
+// tensor cores idle from the last wgmma's retirement until the next k-tile's first is issued,
+// for every 128 of K. Here the temporary tile is double-buffered: k-tile t+1's wgmma are issued
+// into one buffer before k-tile t's (the other buffer) are waited for (wait_group 1) and promoted,
+// so the promotion and the stage's wait run while the tensor cores work. Costs a second
+// temporary tile of registers (Coop128 / Pingpong64: 64 a thread).
+//
+// The arithmetic is CUTLASS's: each k-tile's products summed by wgmma from zero, then
+// acc += partial * (x_scale * w_scale), k-tiles in order; the first k-tile sets acc instead of
+// adding to it.
+// The pipeline contract is the base's: stages are released in order, all but the last (which
+// mma_tail releases), each only after the wgmma reading it have retired.
+template <class Base>
+struct OverlappedPromotion : ScalesAfterWait<Base> {
+  using ScalesAfterWait<Base>::ScalesAfterWait;
+  using TileShape = typename Base::TileShape;
+  using TiledMma = typename Base::TiledMma;
+  static_assert(Base::ScalePromotionInterval == 4, "one scale group per k-tile (K tile 128)");
+  static constexpr int kScalesM = Base::ScaleMsPerTile;  // x (or, swapped, w) scales a tile
+  static constexpr int kScalesN = Base::ScaleNsPerTile;
+  static_assert(kScalesM == 1 || kScalesN == 1, "one operand has one scale per tile");
+  static constexpr int kStages = Base::DispatchPolicy::Stages;
+  static constexpr int kTileM = size<0>(TileShape{}), kTileN = size<1>(TileShape{});
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline,
+                          typename Base::PipelineState smem_pipe_read,
+                          FrgTensorC& accum,  // (MMA, MMA_M, MMA_N) fp32, overwritten
+                          int k_tile_count, int thread_idx,
+                          typename Base::TensorStorage& shared_tensors,
+                          typename Base::Params const&) {
+    // Operand stages and the MMA's fragments of them (descriptors), as in the base.
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
+                            typename Base::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
+                            typename Base::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+    TiledMma tiled_mma;
+    constexpr int kWgThreads = cutlass::NumThreadsPerWarpGroup;
+    constexpr int kWarpGroups = size(TiledMma{}) / kWgThreads;
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / kWgThreads, 0);
+    auto wg_mma =
+        tiled_mma.get_slice(make_layout(Int<kWarpGroups>{}, Int<kWgThreads>{})(warp_group));
+    Tensor tCrA = wg_mma.make_fragment_A(wg_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = wg_mma.make_fragment_B(wg_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+
+    // The scales of a stage seen as (BLK_M, BLK_N) tiles: stage s holds kScalesM x scales (one
+    // per row, or one for the tile) then kScalesN w scales; each view repeats its value over the
+    // other mode and over the rows / columns one scale covers, so the thread's partition of it
+    // has the accumulator's shape with only its distinct values stored.
+    constexpr int kGranM = kTileM / kScalesM, kGranN = kTileN / kScalesN;
+    auto sfa_view = make_layout(
+        make_shape(make_shape(Int<kGranM>{}, Int<kScalesM>{}), Int<kTileN>{}, Int<kStages>{}),
+        make_stride(make_stride(_0{}, _1{}), _0{}, Int<kScalesM>{}));
+    auto sfb_view = make_layout(
+        make_shape(Int<kTileM>{}, make_shape(Int<kGranN>{}, Int<kScalesN>{}), Int<kStages>{}),
+        make_stride(_0{}, make_stride(_0{}, _1{}), Int<kScalesN>{}));
+    auto thr_mma = tiled_mma.get_slice(thread_idx);
+    Tensor tCsSFA = thr_mma.partition_C(
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()), sfa_view));  // (.., PIPE)
+    Tensor tCsSFB = thr_mma.partition_C(
+        make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()), sfb_view));
+    // The per-element scale of a k-tile: the many-valued side times the one-valued side.
+    using Scale = decltype(make_tensor_like<float>(tCsSFA(_, _, _, 0)));
+    using ScaleB = decltype(make_tensor_like<float>(tCsSFB(_, _, _, 0)));
+    auto load_scales = [&](auto& scale, int stage) {
+      if constexpr (kScalesN == 1) {  // x scales per row (or one), one w scale
+        copy(tCsSFA(_, _, _, stage), scale);
+        const float other = tCsSFB(0, 0, 0, stage);
+        Tensor distinct = filter_zeros(scale);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(distinct); ++i) distinct(i) *= other;
+      } else {  // swapped: one w scale for the tile's rows, x scales per column
+        copy(tCsSFB(_, _, _, stage), scale);
+        const float other = tCsSFA(0, 0, 0, stage);
+        Tensor distinct = filter_zeros(scale);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(distinct); ++i) distinct(i) *= other;
+      }
+    };
+    using ScaleT = cute::conditional_t<kScalesN == 1, Scale, ScaleB>;
+    ScaleT scale0, scale1;
+    Tensor part0 = make_fragment_like(accum), part1 = make_fragment_like(accum);
+
+    // k-tile of stage `stage` into `part`: the wgmma of its K, from zero, committed as one batch.
+    auto issue = [&](auto& part, int stage) {
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(part);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), part);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(part);
+    };
+    auto promote = [&](auto& part, auto& scale, bool first) {
+      warpgroup_fence_operand(part);
+      if (first) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) = part(i) * scale(i);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * scale(i);
+      }
+    };
+    auto next_stage = [&]() {  // waits for the next stage to land and returns its index
+      pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+      const int stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      return stage;
+    };
+    typename Base::PipelineState smem_pipe_release = smem_pipe_read;
+
+    warpgroup_fence_operand(accum);
+    int stage = next_stage();
+    load_scales(scale0, stage);
+    issue(part0, stage);
+    bool first = true;
+    // Two k-tiles a trip, so each temporary tile keeps its registers: part0 holds even k-tiles,
+    // part1 odd ones. Entering, part0's k-tile is in flight.
+    for (int left = k_tile_count - 1; left > 0; left -= 2) {
+      stage = next_stage();
+      load_scales(scale1, stage);
+      issue(part1, stage);
+      warpgroup_wait<1>();  // part0's k-tile has retired: its stage goes back
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+      promote(part0, scale0, first);
+      first = false;
+      if (left == 1) {  // part1 holds the last k-tile
+        warpgroup_wait<0>();
+        promote(part1, scale1, false);
+        warpgroup_fence_operand(accum);
+        return;
+      }
+      stage = next_stage();
+      load_scales(scale0, stage);
+      issue(part0, stage);
+      warpgroup_wait<1>();
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
+      promote(part1, scale1, false);
+    }
+    warpgroup_wait<0>();  // part0 holds the last k-tile
+    promote(part0, scale0, first);
+    warpgroup_fence_operand(accum);
+  }
+};
+
 // One configuration of the block-scaled GEMM. Everything but the tile, cluster and schedules is
 // fixed by the format: e4m3 operands both K-major, fp32 accumulation and scales, bf16 out.
 template <class TileShape_,         // CTA tile (M, N, K); K = 128: one scale group a k-tile
@@ -90,7 +242,8 @@ template <class TileShape_,         // CTA tile (M, N, K); K = 128: one scale gr
           class KernelSchedule_,    // cooperative (2 consumer WGs, one tile) or ping-pong (1 each)
           class EpilogueSchedule_,  // matches the mainloop's
           class TileScheduler_,     // StreamKScheduler (cooperative only) or PersistentScheduler
-          bool kSwapAB_ = false>    // out^T = w xq^T: the weight is A (its rows the tile's M)
+          bool kSwapAB_ = false,    // out^T = w xq^T: the weight is A (its rows the tile's M)
+          bool kOverlap_ = false>   // the mainloop's promotion overlapped (OverlappedPromotion)
 struct BlockScaledGemm {
   static constexpr bool kSwapAB = kSwapAB_;
   using ElementA = cutlass::float_e4m3_t;                      // xq [M, K] (swapped: w [N, K])
@@ -144,7 +297,9 @@ struct BlockScaledGemm {
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>,  // (M, N, K, L = 1)
-      ScalesAfterWait<CollectiveMainloop>, CollectiveEpilogue, TileScheduler_>;
+      cute::conditional_t<kOverlap_, OverlappedPromotion<CollectiveMainloop>,
+                          ScalesAfterWait<CollectiveMainloop>>,
+      CollectiveEpilogue, TileScheduler_>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
   using StrideA = typename GemmKernel::StrideA;
@@ -233,12 +388,12 @@ using Coop128 = BlockScaledGemm<
     Shape<_128, _128, _128>, Shape<_1, _2, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
     cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler>;
+    cutlass::gemm::StreamKScheduler, false, true>;
 using Pingpong64 = BlockScaledGemm<
     Shape<_64, _128, _128>, Shape<_1, _2, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
     cutlass::epilogue::TmaWarpSpecialized,
-    cutlass::gemm::PersistentScheduler>;
+    cutlass::gemm::PersistentScheduler, false, true>;
 
 // Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a few hundred
 // tokens: a tile's token side is 64 instead of 128 (less padding at M = 176: 192 against 256),
@@ -249,12 +404,12 @@ using SwapCoop128x64 = BlockScaledGemm<
     Shape<_128, _64, _128>, Shape<_1, _1, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
     cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler, true>;
+    cutlass::gemm::StreamKScheduler, true, true>;
 using SwapPingpong128x64 = BlockScaledGemm<
     Shape<_128, _64, _128>, Shape<_1, _1, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
     cutlass::epilogue::TmaWarpSpecialized,
-    cutlass::gemm::PersistentScheduler, true>;
+    cutlass::gemm::PersistentScheduler, true, true>;
 
 // For a handful of tokens (the decode steps of a few sequences, batch 1): the same swap with a
 // token side of 16 or 32 (wgmma N = 16 / 32), so no token-row padding beyond 16 / 32 and no e4m3
@@ -266,12 +421,12 @@ using SwapCoop128x16 = BlockScaledGemm<
     Shape<_128, _16, _128>, Shape<_1, _1, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
     cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler, true>;
+    cutlass::gemm::StreamKScheduler, true, true>;
 using SwapCoop128x32 = BlockScaledGemm<
     Shape<_128, _32, _128>, Shape<_1, _1, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
     cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler, true>;
+    cutlass::gemm::StreamKScheduler, true, true>;
 
 enum class Config {
   kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32

@@ -56,6 +56,14 @@ using ClSwapCoop128x64 = CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _
 using ClSwapPingpong128x64 = CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Pp, PpEpi, PS, true>;
 using ClSwapCoop128x16 = CutlassMainloop<Shape<_128, _16, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
 using ClSwapCoop128x32 = CutlassMainloop<Shape<_128, _32, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+// A token side between 64 and 128 for the decode steps of ~100..256 sequences (harness only): 96
+// tokens a tile, so M = 176 pads to 192 (Coop128: 256) in two tiles a weight tile (SwapCoop128x64:
+// three). 192 tokens a tile (one a weight tile) spills on CUTLASS's mainloop already (72 bytes of
+// stack a thread) and would not fit a second temporary tile.
+using SwapCoop128x96 = f::BlockScaledGemm<Shape<_128, cute::_96, _128>, Shape<_1, _1, _1>, Coop,
+                                          CoopEpi, SK, true, true>;
+constexpr int kSwap96 = 300;
+
 constexpr int kCutlass0 = 200;
 bool is_cutlass(int config) { return config >= kCutlass0 && config < kCutlass0 + 6; }
 template <class G>
@@ -125,6 +133,7 @@ cudaError_t run_sched(int config, const f::Call& c, void* ws, size_t bytes, cuda
 template <class G>
 size_t ws_of(const f::Call& c) { return G::workspace_size(c); }
 size_t workspace_of(int config, const f::Call& c) {
+  if (config == kSwap96) return ws_of<SwapCoop128x96>(c);
   if (is_cutlass(config)) return cutlass_workspace(config, c);
   if (config == kCoop128Mc) return ws_of<Coop128Mc>(c);
   if (is_sched(config)) return f::Coop128::Gemm::get_workspace_size(sched_arguments(config, c));
@@ -138,6 +147,7 @@ size_t workspace_of(int config, const f::Call& c) {
   }
 }
 cudaError_t run_any(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
+  if (config == kSwap96) return SwapCoop128x96::run(c, ws, bytes, s);
   if (is_cutlass(config)) return run_cutlass(config, c, ws, bytes, s);
   if (config == kCoop128Mc) return Coop128Mc::run(c, ws, bytes, s);
   if (is_sched(config)) return run_sched(config, c, ws, bytes, s);
@@ -173,6 +183,7 @@ constexpr Contender kContenders[] = {
     {"coop128mc", kCoop128Mc},
     {"swap_coop128x16", static_cast<int>(f::Config::kSwapCoop128x16)},
     {"swap_coop128x32", static_cast<int>(f::Config::kSwapCoop128x32)},
+    {"swap_coop128x96", kSwap96},
     {"stream", kStream},
     // `large` only (see main):
     {"coop128_dp", kSched0 + 0},

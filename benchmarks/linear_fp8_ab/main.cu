@@ -50,12 +50,19 @@ using SK = cutlass::gemm::StreamKScheduler;
 using PS = cutlass::gemm::PersistentScheduler;
 using cute::_1; using cute::_2; using cute::_16; using cute::_32; using cute::_64;
 using cute::_128; using cute::Shape;
-using ClCoop128 = CutlassMainloop<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, CoopEpi, SK, false>;
-using ClPingpong64 = CutlassMainloop<Shape<_64, _128, _128>, Shape<_1, _2, _1>, Pp, PpEpi, PS, false>;
-using ClSwapCoop128x64 = CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
-using ClSwapPingpong128x64 = CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Pp, PpEpi, PS, true>;
-using ClSwapCoop128x16 = CutlassMainloop<Shape<_128, _16, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
-using ClSwapCoop128x32 = CutlassMainloop<Shape<_128, _32, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+using ClCoop128 =
+    CutlassMainloop<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, CoopEpi, SK, false>;
+using ClPingpong64 =
+    CutlassMainloop<Shape<_64, _128, _128>, Shape<_1, _2, _1>, Pp, PpEpi, PS, false>;
+using ClSwapCoop128x64 =
+    CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+using ClSwapPingpong128x64 =
+    CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Pp, PpEpi, PS, true>;
+using ClSwapCoop128x16 =
+    CutlassMainloop<Shape<_128, _16, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+using ClSwapCoop128x32 =
+    CutlassMainloop<Shape<_128, _32, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
+
 // A token side between 64 and 128 for the decode steps of ~100..256 sequences (harness only): 96
 // tokens a tile, so M = 176 pads to 192 (Coop128: 256) in two tiles a weight tile (SwapCoop128x64:
 // three). 192 tokens a tile (one a weight tile) spills on CUTLASS's mainloop already (72 bytes of

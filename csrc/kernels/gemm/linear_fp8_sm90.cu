@@ -12,7 +12,8 @@
 //   2. Scales in the mainloop: each k-tile's wgmma accumulate into a fresh fp32 register tile,
 //      which is then added to the running sum times x_scale[row] * w_scale (the "promotion"
 //      every 128 of K), so no product is ever formed in fp8 range. The promotion of k-tile t
-//      runs while k-tile t+1's wgmma do (OverlappedPromotion, below), not between them. The activation scales are one per row (SFA granularity 1 x 128, MN-major: a tile's
+//      runs while k-tile t+1's wgmma do (OverlappedPromotion, below), not between them. The
+//      activation scales are one per row (SFA granularity 1 x 128, MN-major: a tile's
 //      128 or 64 row scales are one contiguous TMA box per k-tile); the weight scale is one per
 //      tile (SFB granularity 128 x 128, K-major: w_scales row-major as the checkpoint stores it).
 //   3. K need not be a multiple of 128: the last k-tile's TMA zero-fills past K, so the partial

@@ -92,6 +92,14 @@ struct ScalesAfterWait : Base {
 // into one buffer before k-tile t's (the other buffer) are waited for (wait_group 1) and promoted,
 // so the promotion and the stage's wait run while the tensor cores work. Costs a second
 // temporary tile of registers (Coop128 / Pingpong64: 64 a thread).
+// Measured (H100, one call; benchmarks/linear_fp8_ab, each configuration against its twin on
+// CUTLASS's mainloop): Coop128 at M = 2048..8192 on Qwen3-8B's projections 1.00-1.06x (qkv 4096:
+// 168.6 -> 159.3 us), Pingpong64 up to 1.25x at few tokens (down M = 1: 32.5 -> 26.0 us),
+// SwapCoop128x32 1.04-1.21x at 96..384 tokens, SwapCoop128x64 0.88-1.00x (the one cell choose()
+// gives it, down at 65..128 tokens: 0.97-0.98x, where the overlapped SwapCoop128x32 ran 24.2 us
+// against its 28.8); outputs bit-identical to the twin's but for a few in a million (CUTLASS adds
+// its first k-tile to the fragment as allocated). Qwen3-8B-FP8 + FP8 KV workload 12,235 /
+// 12,225 against 12,139 / 12,143 output tok/s (alternating).
 //
 // The arithmetic is CUTLASS's: each k-tile's products summed by wgmma from zero, then
 // acc += partial * (x_scale * w_scale), k-tiles in order; the first k-tile sets acc instead of

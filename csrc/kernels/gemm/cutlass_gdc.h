@@ -1,7 +1,7 @@
 // Included before any CUTLASS header by linear_fp8_sm90.cu and linear_sm90.cuh, whose GEMMs run()
-// launches with PDL like the kernels around them (the bf16 tiles up to kPdlMaxTokens tokens): CUTLASS's producer warps wait for the previous kernel
-// (griddepcontrol.wait) before their first global load, so the GEMM's launch and prologue overlap
-// the previous kernel's tail.
+// launches with PDL like the kernels around them (the bf16 tiles up to kPdlMaxTokens tokens):
+// CUTLASS's producer warps wait for the previous kernel (griddepcontrol.wait) before their first
+// global load, so the GEMM's launch and prologue overlap the previous kernel's tail.
 //
 // CUTLASS_GDC_ENABLED is the switch cutlass/arch/grid_dependency_control.h reads. CUTLASS defines
 // it itself only under CUTLASS_ENABLE_GDC_FOR_SM90, which also compiles an early trigger into the

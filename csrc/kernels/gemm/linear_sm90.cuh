@@ -42,6 +42,10 @@ namespace qwen3_kernels::linear_detail {
 // chain of short kernels and costs where they are long (H200, the deterministic mode, which runs
 // these tiles at every M, PDL at every M against none: Qwen3-8B batch 1 226.7 / 226.7 against
 // 214.4 / 214.5 decode tok/s, the 8B workload 8,783-8,794 against 9,034-9,056 output tok/s).
+// Up to 64 tokens (H100, one call, with the decode kernels' early K/V copies of branch
+// experiment/decode-kv-before-wait, which moved the default mode's batch 1 by 0.1%): the mode's
+// Qwen3-8B batch 1 169.4 / 169.4 against 163.6 / 163.5 decode tok/s (0.956x the default's 177.2
+// against 0.923x), its 8B workload 8,000 against 8,012 output tok/s.
 constexpr int64_t kPdlMaxTokens = 64;
 
 template <class Element_,       // cutlass::bfloat16_t or cutlass::half_t

@@ -237,7 +237,8 @@ int main(int argc, char** argv) {
       std::vector<Proj>{{"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 24576, 4096},
                         {"down", 4096, 12288}};
   const std::vector<int> ms = large ? std::vector<int>{2048, 4096, 8192} :
-      std::vector<int>{1, 2, 4, 8, 16, 17, 32, 64, 96, 128, 176, 256, 384, 512, 2048, 4096};
+      std::vector<int>{1, 2, 4, 8, 16, 17, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192,
+                       224, 256, 320, 384, 448, 512, 2048, 4096};
   // which contenders run: `large` the Coop128 family, else all but the scheduler variants
   auto wanted = [&](const Contender& ct) {
     if (large) return ct.config == static_cast<int>(f::Config::kCoop128) ||

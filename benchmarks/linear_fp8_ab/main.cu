@@ -63,14 +63,6 @@ using ClSwapCoop128x16 =
 using ClSwapCoop128x32 =
     CutlassMainloop<Shape<_128, _32, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
 
-// A token side between 64 and 128 for the decode steps of ~100..256 sequences (harness only): 96
-// tokens a tile, so M = 176 pads to 192 (Coop128: 256) in two tiles a weight tile (SwapCoop128x64:
-// three). 192 tokens a tile (one a weight tile) spills on CUTLASS's mainloop already (72 bytes of
-// stack a thread) and would not fit a second temporary tile.
-using SwapCoop128x96 = f::BlockScaledGemm<Shape<_128, cute::_96, _128>, Shape<_1, _1, _1>, Coop,
-                                          CoopEpi, SK, true, true>;
-constexpr int kSwap96 = 300;
-
 constexpr int kCutlass0 = 200;
 bool is_cutlass(int config) { return config >= kCutlass0 && config < kCutlass0 + 6; }
 template <class G>
@@ -140,7 +132,6 @@ cudaError_t run_sched(int config, const f::Call& c, void* ws, size_t bytes, cuda
 template <class G>
 size_t ws_of(const f::Call& c) { return G::workspace_size(c); }
 size_t workspace_of(int config, const f::Call& c) {
-  if (config == kSwap96) return ws_of<SwapCoop128x96>(c);
   if (is_cutlass(config)) return cutlass_workspace(config, c);
   if (config == kCoop128Mc) return ws_of<Coop128Mc>(c);
   if (is_sched(config)) return f::Coop128::Gemm::get_workspace_size(sched_arguments(config, c));
@@ -150,11 +141,11 @@ size_t workspace_of(int config, const f::Call& c) {
     case f::Config::kSwapPingpong128x64: return ws_of<f::SwapPingpong128x64>(c);
     case f::Config::kSwapCoop128x16: return ws_of<f::SwapCoop128x16>(c);
     case f::Config::kSwapCoop128x32: return ws_of<f::SwapCoop128x32>(c);
+    case f::Config::kSwapCoop128x96: return ws_of<f::SwapCoop128x96>(c);
     default: return ws_of<f::Coop128>(c);
   }
 }
 cudaError_t run_any(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
-  if (config == kSwap96) return SwapCoop128x96::run(c, ws, bytes, s);
   if (is_cutlass(config)) return run_cutlass(config, c, ws, bytes, s);
   if (config == kCoop128Mc) return Coop128Mc::run(c, ws, bytes, s);
   if (is_sched(config)) return run_sched(config, c, ws, bytes, s);
@@ -164,6 +155,7 @@ cudaError_t run_any(int config, const f::Call& c, void* ws, size_t bytes, cudaSt
     case f::Config::kSwapPingpong128x64: return f::SwapPingpong128x64::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x16: return f::SwapCoop128x16::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x32: return f::SwapCoop128x32::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x96: return f::SwapCoop128x96::run(c, ws, bytes, s);
     default: return f::Coop128::run(c, ws, bytes, s);
   }
 }
@@ -190,7 +182,7 @@ constexpr Contender kContenders[] = {
     {"coop128mc", kCoop128Mc},
     {"swap_coop128x16", static_cast<int>(f::Config::kSwapCoop128x16)},
     {"swap_coop128x32", static_cast<int>(f::Config::kSwapCoop128x32)},
-    {"swap_coop128x96", kSwap96},
+    {"swap_coop128x96", static_cast<int>(f::Config::kSwapCoop128x96)},
     {"stream", kStream},
     // `large` only (see main):
     {"coop128_dp", kSched0 + 0},

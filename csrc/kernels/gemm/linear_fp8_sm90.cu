@@ -437,8 +437,19 @@ using SwapCoop128x32 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecializedCooperative,
     cutlass::gemm::StreamKScheduler, true, true>;
 
+// For the decode steps of ~130..190 sequences (the throughput schedule's 176): 96 tokens a tile,
+// so M = 176 pads to 192 in two tiles a weight tile (Coop128: 256; SwapCoop128x64: three tiles).
+// (192 tokens a tile, one a weight tile, spills on CUTLASS's mainloop already: 72 bytes of stack
+// a thread, and would not fit the second temporary tile.)
+using SwapCoop128x96 = BlockScaledGemm<
+    Shape<_128, _96, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true, true>;
+
 enum class Config {
-  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32
+  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32,
+  kSwapCoop128x96
 };
 
 // The choice, by shape, from benchmarks/linear_fp8_ab on the H200 (every configuration on
@@ -462,11 +473,9 @@ enum class Config {
 Config choose(int64_t m, int64_t n, int64_t k) {
   if (m <= 32) return Config::kSwapCoop128x16;
   if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;
-  if (m <= 128) {
-    if (n <= 4096) return k <= 4096 ? Config::kSwapCoop128x32 : Config::kSwapCoop128x64;
-    return n <= 8192 ? Config::kPingpong64 : Config::kSwapPingpong128x64;
-  }
-  if (m <= 256 && n <= 4096) return Config::kPingpong64;
+  if (m <= 128) return n <= 4096 ? Config::kSwapCoop128x32 : Config::kSwapPingpong128x64;
+  if (m <= 256 && n <= 4096) return Config::kSwapPingpong128x64;
+  if (m <= 192) return Config::kSwapCoop128x96;
   return Config::kCoop128;
 }
 
@@ -479,6 +488,7 @@ size_t config_workspace_size(Config config, const Call& c) {
     case Config::kPingpong64: return workspace_of<Pingpong64>(c);
     case Config::kSwapCoop128x16: return workspace_of<SwapCoop128x16>(c);
     case Config::kSwapCoop128x32: return workspace_of<SwapCoop128x32>(c);
+    case Config::kSwapCoop128x96: return workspace_of<SwapCoop128x96>(c);
     case Config::kSwapCoop128x64: return workspace_of<SwapCoop128x64>(c);
     case Config::kSwapPingpong128x64: return workspace_of<SwapPingpong128x64>(c);
     default: return workspace_of<Coop128>(c);
@@ -490,6 +500,7 @@ cudaError_t run_config(Config config, const Call& c, void* workspace, size_t wor
     case Config::kPingpong64: return Pingpong64::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x16: return SwapCoop128x16::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x32: return SwapCoop128x32::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x96: return SwapCoop128x96::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x64: return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapPingpong128x64:
       return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);

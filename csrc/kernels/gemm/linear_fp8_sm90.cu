@@ -473,9 +473,12 @@ enum class Config {
 Config choose(int64_t m, int64_t n, int64_t k) {
   if (m <= 32) return Config::kSwapCoop128x16;
   if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;
-  if (m <= 128) return n <= 4096 ? Config::kSwapCoop128x32 : Config::kSwapPingpong128x64;
-  if (m <= 256 && n <= 4096) return Config::kSwapPingpong128x64;
-  if (m <= 192) return Config::kSwapCoop128x96;
+  if (m <= 128) {
+    if (n <= 4096) return Config::kSwapCoop128x32;
+    return n <= 8192 ? Config::kPingpong64 : Config::kSwapPingpong128x64;
+  }
+  if (m <= 192) return n <= 4096 ? Config::kPingpong64 : Config::kSwapCoop128x96;
+  if (m <= 256 && n <= 4096 && k <= 4096) return Config::kPingpong64;
   return Config::kCoop128;
 }
 

@@ -95,9 +95,8 @@ struct ScalesAfterWait : Base {
 // Measured (H100, one call; benchmarks/linear_fp8_ab, each configuration against its twin on
 // CUTLASS's mainloop): Coop128 at M = 2048..8192 on Qwen3-8B's projections 1.00-1.06x (qkv 4096:
 // 168.6 -> 159.3 us), Pingpong64 up to 1.25x at few tokens (down M = 1: 32.5 -> 26.0 us),
-// SwapCoop128x32 1.04-1.21x at 96..384 tokens, SwapCoop128x64 0.88-1.00x (the one cell choose()
-// gives it, down at 65..128 tokens: 0.97-0.98x, where the overlapped SwapCoop128x32 ran 24.2 us
-// against its 28.8); outputs bit-identical to the twin's but for a few in a million (CUTLASS adds
+// SwapCoop128x32 1.04-1.21x at 96..384 tokens (a cooperative 128 x 64 swapped tile 0.88-1.00x: no
+// cell chooses one); outputs bit-identical to the twin's but for a few in a million (CUTLASS adds
 // its first k-tile to the fragment as allocated). Qwen3-8B-FP8 + FP8 KV workload 12,235 /
 // 12,225 against 12,139 / 12,143 output tok/s (alternating).
 //
@@ -404,16 +403,10 @@ using Pingpong64 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::gemm::PersistentScheduler, false, true>;
 
-// Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a few hundred
-// tokens: a tile's token side is 64 instead of 128 (less padding at M = 176: 192 against 256),
-// and the weight's 128-row blocks give N / 128 tiles per 64 tokens.
-//   SwapCoop128x64: 128 weight rows x 64 tokens, two consumer warp groups, stream-K.
-//   SwapPingpong128x64: the same tile per consumer warp group, persistent.
-using SwapCoop128x64 = BlockScaledGemm<
-    Shape<_128, _64, _128>, Shape<_1, _1, _1>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
-    cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler, true, true>;
+// Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a hundred tokens:
+// a tile's token side is 64 instead of 128, and the weight's 128-row blocks give N / 128 tiles
+// per 64 tokens.
+//   SwapPingpong128x64: 128 weight rows x 64 tokens per consumer warp group, persistent.
 using SwapPingpong128x64 = BlockScaledGemm<
     Shape<_128, _64, _128>, Shape<_1, _1, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
@@ -438,7 +431,7 @@ using SwapCoop128x32 = BlockScaledGemm<
     cutlass::gemm::StreamKScheduler, true, true>;
 
 // For the decode steps of ~130..190 sequences (the throughput schedule's 176): 96 tokens a tile,
-// so M = 176 pads to 192 in two tiles a weight tile (Coop128: 256; SwapCoop128x64: three tiles).
+// so M = 176 pads to 192 in two tiles a weight tile (Coop128: 256; a 64-token tile: three tiles).
 // (192 tokens a tile, one a weight tile, spills on CUTLASS's mainloop already: 72 bytes of stack
 // a thread, and would not fit the second temporary tile.)
 using SwapCoop128x96 = BlockScaledGemm<
@@ -448,8 +441,7 @@ using SwapCoop128x96 = BlockScaledGemm<
     cutlass::gemm::StreamKScheduler, true, true>;
 
 enum class Config {
-  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32,
-  kSwapCoop128x96
+  kCoop128, kPingpong64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32, kSwapCoop128x96
 };
 
 // The choice, by shape, from benchmarks/linear_fp8_ab on the H200 (every configuration on
@@ -460,7 +452,7 @@ enum class Config {
 //     tiles' K over every SM. M = 32: qkv 10.1, gate_up 28.6, down 20.8 (o: Pingpong64 10.8 vs
 //     12.9, left); M = 64: qkv (x32) 10.6, o 9.1, gate_up (x32) 29.8, down 19.4.
 //   - M <= 128: N <= 4096 (o, down) SwapCoop128x32 (o 10.3-10.4; down 22.1-22.3 vs
-//     SwapCoop128x64 24.9-25.7), N <= 8192 (qkv) Pingpong64 (13.0-13.4), wider (gate_up)
+//     the cooperative 128 x 64 swapped tile 24.9-25.7), N <= 8192 (qkv) Pingpong64 (13.0-13.4), wider (gate_up)
 //     SwapPingpong128x64 (32.7-34.2 vs Coop128 36.9-38.5).
 //   - M <= 192 (the decode steps of the throughput schedule, <= 176 sequences): N <= 4096
 //     Pingpong64 (o 11.2-13.0, down 25.9-30.6), else SwapCoop128x96: 96 tokens a tile, M = 176
@@ -494,7 +486,6 @@ size_t config_workspace_size(Config config, const Call& c) {
     case Config::kSwapCoop128x16: return workspace_of<SwapCoop128x16>(c);
     case Config::kSwapCoop128x32: return workspace_of<SwapCoop128x32>(c);
     case Config::kSwapCoop128x96: return workspace_of<SwapCoop128x96>(c);
-    case Config::kSwapCoop128x64: return workspace_of<SwapCoop128x64>(c);
     case Config::kSwapPingpong128x64: return workspace_of<SwapPingpong128x64>(c);
     default: return workspace_of<Coop128>(c);
   }
@@ -506,7 +497,6 @@ cudaError_t run_config(Config config, const Call& c, void* workspace, size_t wor
     case Config::kSwapCoop128x16: return SwapCoop128x16::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x32: return SwapCoop128x32::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x96: return SwapCoop128x96::run(c, workspace, workspace_bytes, stream);
-    case Config::kSwapCoop128x64: return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapPingpong128x64:
       return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);
     default: return Coop128::run(c, workspace, workspace_bytes, stream);

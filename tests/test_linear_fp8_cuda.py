@@ -54,7 +54,8 @@ SHAPES = {f"{s}-tp{tp}-{p}": nk for s in SIZES for tp in (1, 2)
 SMALL_T = (2, 3, 8, 9, 16, 17, 64, 129)
 # Every shape at the small T (the few-token pass where N < 16384: one tile of 8 tokens at T <= 8,
 # two at 9..16; the GEMM's swapped 128 x 16 / 32 tiles up to T = 64 and from T = 2 on wider
-# weights, then by projection the swapped 128 x 32 / 64 or 64-row ping-pong tiles: T = 129);
+# weights, then the swapped 128 x 32 / 64 tiles or the 64-row ping-pong tiles by projection, and at
+# T = 129 the 64-row ping-pong tiles (N <= 4096) or the swapped 128 x 96 tiles (wider));
 # T = 4096 (the 128 x 128 cooperative tiles, data-parallel or stream-K by the wave count) on the
 # 8B and 32B shapes, both TP degrees.
 CASES = [(name, t) for name in SHAPES for t in SMALL_T]

@@ -54,8 +54,6 @@ using ClCoop128 =
     CutlassMainloop<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, CoopEpi, SK, false>;
 using ClPingpong64 =
     CutlassMainloop<Shape<_64, _128, _128>, Shape<_1, _2, _1>, Pp, PpEpi, PS, false>;
-using ClSwapCoop128x64 =
-    CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
 using ClSwapPingpong128x64 =
     CutlassMainloop<Shape<_128, _64, _128>, Shape<_1, _1, _1>, Pp, PpEpi, PS, true>;
 using ClSwapCoop128x16 =
@@ -63,22 +61,16 @@ using ClSwapCoop128x16 =
 using ClSwapCoop128x32 =
     CutlassMainloop<Shape<_128, _32, _128>, Shape<_1, _1, _1>, Coop, CoopEpi, SK, true>;
 
-// A token side between 64 and 128 for the decode steps of ~100..256 sequences (harness only): 96
-// tokens a tile, so M = 176 pads to 192 (Coop128: 256) in two tiles a weight tile (SwapCoop128x64:
-// three). 192 tokens a tile (one a weight tile) spills on CUTLASS's mainloop already (72 bytes of
-// stack a thread) and would not fit a second temporary tile.
-using SwapCoop128x96 = f::BlockScaledGemm<Shape<_128, cute::_96, _128>, Shape<_1, _1, _1>, Coop,
-                                          CoopEpi, SK, true, true>;
-constexpr int kSwap96 = 300;
-
 constexpr int kCutlass0 = 200;
-bool is_cutlass(int config) { return config >= kCutlass0 && config < kCutlass0 + 6; }
+// (no twin for SwapCoop128x96: its id and above are not CUTLASS-mainloop contenders)
+bool is_cutlass(int config) {
+  return config >= kCutlass0 && config < kCutlass0 + static_cast<int>(f::Config::kSwapCoop128x96);
+}
 template <class G>
 size_t cl_ws(const f::Call& c) { return G::workspace_size(c); }
 size_t cutlass_workspace(int config, const f::Call& c) {
   switch (static_cast<f::Config>(config - kCutlass0)) {
     case f::Config::kPingpong64: return cl_ws<ClPingpong64>(c);
-    case f::Config::kSwapCoop128x64: return cl_ws<ClSwapCoop128x64>(c);
     case f::Config::kSwapPingpong128x64: return cl_ws<ClSwapPingpong128x64>(c);
     case f::Config::kSwapCoop128x16: return cl_ws<ClSwapCoop128x16>(c);
     case f::Config::kSwapCoop128x32: return cl_ws<ClSwapCoop128x32>(c);
@@ -88,7 +80,6 @@ size_t cutlass_workspace(int config, const f::Call& c) {
 cudaError_t run_cutlass(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
   switch (static_cast<f::Config>(config - kCutlass0)) {
     case f::Config::kPingpong64: return ClPingpong64::run(c, ws, bytes, s);
-    case f::Config::kSwapCoop128x64: return ClSwapCoop128x64::run(c, ws, bytes, s);
     case f::Config::kSwapPingpong128x64: return ClSwapPingpong128x64::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x16: return ClSwapCoop128x16::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x32: return ClSwapCoop128x32::run(c, ws, bytes, s);
@@ -140,30 +131,28 @@ cudaError_t run_sched(int config, const f::Call& c, void* ws, size_t bytes, cuda
 template <class G>
 size_t ws_of(const f::Call& c) { return G::workspace_size(c); }
 size_t workspace_of(int config, const f::Call& c) {
-  if (config == kSwap96) return ws_of<SwapCoop128x96>(c);
   if (is_cutlass(config)) return cutlass_workspace(config, c);
   if (config == kCoop128Mc) return ws_of<Coop128Mc>(c);
   if (is_sched(config)) return f::Coop128::Gemm::get_workspace_size(sched_arguments(config, c));
   switch (static_cast<f::Config>(config)) {
     case f::Config::kPingpong64: return ws_of<f::Pingpong64>(c);
-    case f::Config::kSwapCoop128x64: return ws_of<f::SwapCoop128x64>(c);
     case f::Config::kSwapPingpong128x64: return ws_of<f::SwapPingpong128x64>(c);
     case f::Config::kSwapCoop128x16: return ws_of<f::SwapCoop128x16>(c);
     case f::Config::kSwapCoop128x32: return ws_of<f::SwapCoop128x32>(c);
+    case f::Config::kSwapCoop128x96: return ws_of<f::SwapCoop128x96>(c);
     default: return ws_of<f::Coop128>(c);
   }
 }
 cudaError_t run_any(int config, const f::Call& c, void* ws, size_t bytes, cudaStream_t s) {
-  if (config == kSwap96) return SwapCoop128x96::run(c, ws, bytes, s);
   if (is_cutlass(config)) return run_cutlass(config, c, ws, bytes, s);
   if (config == kCoop128Mc) return Coop128Mc::run(c, ws, bytes, s);
   if (is_sched(config)) return run_sched(config, c, ws, bytes, s);
   switch (static_cast<f::Config>(config)) {
     case f::Config::kPingpong64: return f::Pingpong64::run(c, ws, bytes, s);
-    case f::Config::kSwapCoop128x64: return f::SwapCoop128x64::run(c, ws, bytes, s);
     case f::Config::kSwapPingpong128x64: return f::SwapPingpong128x64::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x16: return f::SwapCoop128x16::run(c, ws, bytes, s);
     case f::Config::kSwapCoop128x32: return f::SwapCoop128x32::run(c, ws, bytes, s);
+    case f::Config::kSwapCoop128x96: return f::SwapCoop128x96::run(c, ws, bytes, s);
     default: return f::Coop128::run(c, ws, bytes, s);
   }
 }
@@ -180,17 +169,15 @@ constexpr Contender kContenders[] = {
     {"cl_coop128", cl(f::Config::kCoop128)},  // the reference: first
     {"coop128", static_cast<int>(f::Config::kCoop128)},
     {"cl_pp64", cl(f::Config::kPingpong64)},
-    {"cl_swap_coop128x64", cl(f::Config::kSwapCoop128x64)},
     {"cl_swap_pp128x64", cl(f::Config::kSwapPingpong128x64)},
     {"cl_swap_coop128x16", cl(f::Config::kSwapCoop128x16)},
     {"cl_swap_coop128x32", cl(f::Config::kSwapCoop128x32)},
     {"pp64", static_cast<int>(f::Config::kPingpong64)},
-    {"swap_coop128x64", static_cast<int>(f::Config::kSwapCoop128x64)},
     {"swap_pp128x64", static_cast<int>(f::Config::kSwapPingpong128x64)},
     {"coop128mc", kCoop128Mc},
     {"swap_coop128x16", static_cast<int>(f::Config::kSwapCoop128x16)},
     {"swap_coop128x32", static_cast<int>(f::Config::kSwapCoop128x32)},
-    {"swap_coop128x96", kSwap96},
+    {"swap_coop128x96", static_cast<int>(f::Config::kSwapCoop128x96)},
     {"stream", kStream},
     // `large` only (see main):
     {"coop128_dp", kSched0 + 0},

@@ -95,9 +95,8 @@ struct ScalesAfterWait : Base {
 // Measured (H100, one call; benchmarks/linear_fp8_ab, each configuration against its twin on
 // CUTLASS's mainloop): Coop128 at M = 2048..8192 on Qwen3-8B's projections 1.00-1.06x (qkv 4096:
 // 168.6 -> 159.3 us), Pingpong64 up to 1.25x at few tokens (down M = 1: 32.5 -> 26.0 us),
-// SwapCoop128x32 1.04-1.21x at 96..384 tokens, SwapCoop128x64 0.88-1.00x (the one cell choose()
-// gives it, down at 65..128 tokens: 0.97-0.98x, where the overlapped SwapCoop128x32 ran 24.2 us
-// against its 28.8); outputs bit-identical to the twin's but for a few in a million (CUTLASS adds
+// SwapCoop128x32 1.04-1.21x at 96..384 tokens (a cooperative 128 x 64 swapped tile 0.88-1.00x: no
+// cell chooses one); outputs bit-identical to the twin's but for a few in a million (CUTLASS adds
 // its first k-tile to the fragment as allocated). Qwen3-8B-FP8 + FP8 KV workload 12,235 /
 // 12,225 against 12,139 / 12,143 output tok/s (alternating).
 //
@@ -404,16 +403,10 @@ using Pingpong64 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::gemm::PersistentScheduler, false, true>;
 
-// Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a few hundred
-// tokens: a tile's token side is 64 instead of 128 (less padding at M = 176: 192 against 256),
-// and the weight's 128-row blocks give N / 128 tiles per 64 tokens.
-//   SwapCoop128x64: 128 weight rows x 64 tokens, two consumer warp groups, stream-K.
-//   SwapPingpong128x64: the same tile per consumer warp group, persistent.
-using SwapCoop128x64 = BlockScaledGemm<
-    Shape<_128, _64, _128>, Shape<_1, _1, _1>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
-    cutlass::epilogue::TmaWarpSpecializedCooperative,
-    cutlass::gemm::StreamKScheduler, true, true>;
+// Swapped (the weight's rows are the tile's M, tokens its N), for a few dozen to a hundred tokens:
+// a tile's token side is 64 instead of 128, and the weight's 128-row blocks give N / 128 tiles
+// per 64 tokens.
+//   SwapPingpong128x64: 128 weight rows x 64 tokens per consumer warp group, persistent.
 using SwapPingpong128x64 = BlockScaledGemm<
     Shape<_128, _64, _128>, Shape<_1, _1, _1>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum,
@@ -437,36 +430,49 @@ using SwapCoop128x32 = BlockScaledGemm<
     cutlass::epilogue::TmaWarpSpecializedCooperative,
     cutlass::gemm::StreamKScheduler, true, true>;
 
+// For the decode steps of ~130..190 sequences (the throughput schedule's 176): 96 tokens a tile,
+// so M = 176 pads to 192 in two tiles a weight tile (Coop128: 256; a 64-token tile: three tiles).
+// (192 tokens a tile, one a weight tile, spills on CUTLASS's mainloop already: 72 bytes of stack
+// a thread, and would not fit the second temporary tile.)
+using SwapCoop128x96 = BlockScaledGemm<
+    Shape<_128, _96, _128>, Shape<_1, _1, _1>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+    cutlass::epilogue::TmaWarpSpecializedCooperative,
+    cutlass::gemm::StreamKScheduler, true, true>;
+
 enum class Config {
-  kCoop128, kPingpong64, kSwapCoop128x64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32
+  kCoop128, kPingpong64, kSwapPingpong128x64, kSwapCoop128x16, kSwapCoop128x32, kSwapCoop128x96
 };
 
 // The choice, by shape, from benchmarks/linear_fp8_ab on the H200 (every configuration on
-// Qwen3-8B's projections, weights rotated past the L2, CUDA-graph replays; us, the winner against
-// Coop128, the configuration every M up to 64 ran before):
+// Qwen3-8B's projections, overlapped promotion, weights rotated past the L2; best of two rounds,
+// us; the winner against the next best or the configuration the cell ran before):
 //   - M <= 64: SwapCoop128x16 (x32 from 33 tokens where N > 4096): the weight's rows as the
 //     wgmma M and 16 / 32 tokens as N, so few tokens pad nothing, and stream-K spreads the N / 128
-//     tiles' K over every SM. M = 17 / 32: qkv 9.82 / 9.89 vs 20.59 / 20.03, gate_up 28.04 /
-//     28.35 vs 46.88 / 44.31, down 20.82 / 20.96 vs 31.43 / 30.33, o 12.79 / 12.93 vs 19.84 /
-//     19.67 (Pingpong64 12.69 / 12.71: a tie); M = 64: qkv (x32) 11.78 vs 19.17, o 9.30 vs 19.21,
-//     gate_up (x32) 29.95 vs 41.33, down 19.48 vs 30.56.
-//   - M <= 128, by projection: N <= 4096 and K <= 4096 (o) SwapCoop128x32 (11.54 vs 18.32 at
-//     128), N <= 4096 above (down) SwapCoop128x64 (24.96 vs 28.02), N <= 8192 (qkv) Pingpong64
-//     (12.86 vs 17.82), wider (gate_up) SwapPingpong128x64 (34.43 vs 36.12).
-//   - M <= 256 (the decode steps of the throughput schedule, <= 176 sequences): N <= 4096
-//     Pingpong64 (o 12.58 vs 19.26 at 176, 13.27 vs 18.22 at 256; down 30.43 vs 36.60 at 176),
-//     else Coop128 (qkv 16.60 at 176; gate_up 53.3-53.6 for the best three at 176).
-//   - Above: Coop128 (M = 384: qkv 26.16 vs Pingpong64 30.94, gate_up 71.72 vs 88.23; 512, 2048,
-//     4096 within 1% of Coop128 with a 2 x 1 cluster, the harness's coop128mc, the best
-//     elsewhere), data-parallel or stream-K by CUTLASS's heuristic on the wave count.
+//     tiles' K over every SM. M = 32: qkv 10.1, gate_up 28.6, down 20.8 (o: Pingpong64 10.8 vs
+//     12.9, left); M = 64: qkv (x32) 10.6, o 9.1, gate_up (x32) 29.8, down 19.4.
+//   - M <= 128: N <= 4096 (o, down) SwapCoop128x32 (o 10.3-10.4; down 22.1-22.3 vs
+//     the cooperative 128 x 64 swapped tile 24.9-25.7), N <= 8192 (qkv) Pingpong64 (13.0-13.4), wider (gate_up)
+//     SwapPingpong128x64 (32.7-34.2 vs Coop128 36.9-38.5).
+//   - M <= 192 (the decode steps of the throughput schedule, <= 176 sequences): N <= 4096
+//     Pingpong64 (o 11.2-13.0, down 25.9-30.6), else SwapCoop128x96: 96 tokens a tile, M = 176
+//     in two (gate_up 45.2-46.1 vs Coop128 55.0-65.6 at 144..192; qkv 17.0-17.1 vs 16.8-18.6).
+//   - M <= 256: o Pingpong64 (12.9-14.4); the rest Coop128 (down 29.9-30.5 vs Pingpong64
+//     31.0-35.8; qkv 15.1-15.5, gate_up 46.1-47.4).
+//   - Above: Coop128 (M = 384: qkv 25.4, o 15.1, gate_up 69.4, down 36.5, each the best; 512 and
+//     up the best or within 5% of Coop128 with a 2 x 1 cluster, the harness's coop128mc),
+//     data-parallel or stream-K by CUTLASS's heuristic on the wave count.
+// Qwen3-8B-FP8 + FP8 KV workload against the choice before (H100, alternating in one lease):
+// 12,433 / 12,441 against 12,282 / 12,284 output tok/s.
 Config choose(int64_t m, int64_t n, int64_t k) {
   if (m <= 32) return Config::kSwapCoop128x16;
   if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;
   if (m <= 128) {
-    if (n <= 4096) return k <= 4096 ? Config::kSwapCoop128x32 : Config::kSwapCoop128x64;
+    if (n <= 4096) return Config::kSwapCoop128x32;
     return n <= 8192 ? Config::kPingpong64 : Config::kSwapPingpong128x64;
   }
-  if (m <= 256 && n <= 4096) return Config::kPingpong64;
+  if (m <= 192) return n <= 4096 ? Config::kPingpong64 : Config::kSwapCoop128x96;
+  if (m <= 256 && n <= 4096 && k <= 4096) return Config::kPingpong64;
   return Config::kCoop128;
 }
 
@@ -479,7 +485,7 @@ size_t config_workspace_size(Config config, const Call& c) {
     case Config::kPingpong64: return workspace_of<Pingpong64>(c);
     case Config::kSwapCoop128x16: return workspace_of<SwapCoop128x16>(c);
     case Config::kSwapCoop128x32: return workspace_of<SwapCoop128x32>(c);
-    case Config::kSwapCoop128x64: return workspace_of<SwapCoop128x64>(c);
+    case Config::kSwapCoop128x96: return workspace_of<SwapCoop128x96>(c);
     case Config::kSwapPingpong128x64: return workspace_of<SwapPingpong128x64>(c);
     default: return workspace_of<Coop128>(c);
   }
@@ -490,7 +496,7 @@ cudaError_t run_config(Config config, const Call& c, void* workspace, size_t wor
     case Config::kPingpong64: return Pingpong64::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x16: return SwapCoop128x16::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapCoop128x32: return SwapCoop128x32::run(c, workspace, workspace_bytes, stream);
-    case Config::kSwapCoop128x64: return SwapCoop128x64::run(c, workspace, workspace_bytes, stream);
+    case Config::kSwapCoop128x96: return SwapCoop128x96::run(c, workspace, workspace_bytes, stream);
     case Config::kSwapPingpong128x64:
       return SwapPingpong128x64::run(c, workspace, workspace_bytes, stream);
     default: return Coop128::run(c, workspace, workspace_bytes, stream);

@@ -49,7 +49,8 @@ namespace {
 
 enum class Config {
   kGemv, kSplitK, kTile128x128, kTile128x256,
-  kSwap64x16, kSwap64x32, kSwap64x64, kSwap64x128, kSwap128x64, kSwap128x128,  // batch-invariant
+  kSwap64x16, kSwap64x32, kSwap64x64, kSwap64x128, kSwap128x64, kSwap128x96, kSwap128x128,
+  kSwap128x192,  // batch-invariant
   kCublas,  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
   kUnsupported  // batch-invariant on a GPU without the sm_90 kernels
 };
@@ -124,10 +125,15 @@ constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
   if (m <= 64) return dp(Config::kSwap64x64);
   if (m <= 128)
     return dp(lm_head ? Config::kSwap128x128 : wide ? Config::kSwap128x64 : Config::kSwap64x128);
+  if (m <= 192) {
+    if (lm_head) return dp(Config::kSwap128x192);
+    return dp(n > 4096 ? Config::kSwap128x96 : Config::kSwap128x64);
+  }
   if (m <= 256) {
-    if (lm_head || (wide && m <= 192)) return t256(DP);
+    if (lm_head) return t256(DP);
     return n > 4096 ? t128(DP) : dp(Config::kSwap128x64);
   }
+  if (m <= 384) return dp(n > 4096 ? Config::kSwap128x192 : Config::kSwap128x96);
   if (m <= 512) return dp(n > 4096 && !wide ? Config::kSwap128x64 : Config::kSwap128x128);
   return wide || k > 8192 ? t256(DP) : t128(DP);
 }
@@ -193,7 +199,9 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
     QWEN3_LINEAR_WORKSPACE(kSwap64x64, swap_64x64)
     QWEN3_LINEAR_WORKSPACE(kSwap64x128, swap_64x128)
     QWEN3_LINEAR_WORKSPACE(kSwap128x64, swap_128x64)
+    QWEN3_LINEAR_WORKSPACE(kSwap128x96, swap_128x96)
     QWEN3_LINEAR_WORKSPACE(kSwap128x128, swap_128x128)
+    QWEN3_LINEAR_WORKSPACE(kSwap128x192, swap_128x192)
 #undef QWEN3_LINEAR_WORKSPACE
     default:
       return 0;
@@ -218,7 +226,9 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
     QWEN3_LINEAR_RUN(kSwap64x64, swap_64x64)
     QWEN3_LINEAR_RUN(kSwap64x128, swap_64x128)
     QWEN3_LINEAR_RUN(kSwap128x64, swap_128x64)
+    QWEN3_LINEAR_RUN(kSwap128x96, swap_128x96)
     QWEN3_LINEAR_RUN(kSwap128x128, swap_128x128)
+    QWEN3_LINEAR_RUN(kSwap128x192, swap_128x192)
 #undef QWEN3_LINEAR_RUN
     case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
     case Config::kUnsupported:

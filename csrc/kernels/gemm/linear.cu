@@ -117,6 +117,15 @@ constexpr Choice dp(Config c) { return {c, DP, 0}; }
 // same fp32 bits, H200 probe). H200, CUDA-graph replays, us at M = 1 against swap 64x16: qkv 16.10
 // / 16.04, o 11.66 / 11.34, gate_up 55.34 / 50.98, down 29.00 / 27.55, LM head 302.0 / 287.8;
 // Qwen3-8B batch 1 in the mode 212.1-212.2 decode tok/s (default 241.3-241.4, same call).
+// At 129..384 tokens (the throughput schedule's decode steps of <= 176 sequences and its mixed
+// steps of 384 tokens) from benchmarks/linear_bi_ab (H200, every tile data-parallel, all
+// bit-identical to swap 64x16): swap 128x96 (M = 176 in two token tiles) on QKV / gate_up at
+// 129..192, swap 128x192 on the LM head there and on QKV / gate_up / LM head at 257..384, swap
+// 128x96 on o / down at 257..384. us at M = 176, the tile before -> this one: QKV 31.6 -> 21.9
+// (tile 128x128), gate_up 91.7 -> 64.8 (tile 128x256), LM head 418.0 -> 357.8; at M = 384 (swap
+// 128x64 / 128x128 before): QKV 42.4 -> 35.1, o 24.9 -> 21.0, gate_up 119.1 -> 106.4, down 64.0
+// -> 55.0. The mode's Qwen3-8B workload 8,513 / 8,503 against 8,036 / 8,018 output tok/s (H100,
+// alternating; the default mode 8,941 in the same call: 0.95x).
 constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
   const bool lm_head = n >= 65536;  // the vocabulary
   const bool wide = n > 8192;       // gate_up; QKV, o and down are at most 8192 wide

@@ -49,7 +49,8 @@ namespace {
 
 enum class Config {
   kGemv, kSplitK, kTile128x128, kTile128x256,
-  kSwap64x16, kSwap64x32, kSwap64x64, kSwap64x128, kSwap128x64, kSwap128x128,  // batch-invariant
+  kSwap64x16, kSwap64x32, kSwap64x64, kSwap64x128, kSwap128x64, kSwap128x96, kSwap128x128,
+  kSwap128x192,  // batch-invariant
   kCublas,  // cuBLAS measured faster: the binding runs at::mm_out (linear_prefers_cublas)
   kUnsupported  // batch-invariant on a GPU without the sm_90 kernels
 };
@@ -116,6 +117,15 @@ constexpr Choice dp(Config c) { return {c, DP, 0}; }
 // same fp32 bits, H200 probe). H200, CUDA-graph replays, us at M = 1 against swap 64x16: qkv 16.10
 // / 16.04, o 11.66 / 11.34, gate_up 55.34 / 50.98, down 29.00 / 27.55, LM head 302.0 / 287.8;
 // Qwen3-8B batch 1 in the mode 212.1-212.2 decode tok/s (default 241.3-241.4, same call).
+// At 129..384 tokens (the throughput schedule's decode steps of <= 176 sequences and its mixed
+// steps of 384 tokens) from benchmarks/linear_bi_ab (H200, every tile data-parallel, all
+// bit-identical to swap 64x16): swap 128x96 (M = 176 in two token tiles) on QKV / gate_up at
+// 129..192, swap 128x192 on the LM head there and on QKV / gate_up / LM head at 257..384, swap
+// 128x96 on o / down at 257..384. us at M = 176, the tile before -> this one: QKV 31.6 -> 21.9
+// (tile 128x128), gate_up 91.7 -> 64.8 (tile 128x256), LM head 418.0 -> 357.8; at M = 384 (swap
+// 128x64 / 128x128 before): QKV 42.4 -> 35.1, o 24.9 -> 21.0, gate_up 119.1 -> 106.4, down 64.0
+// -> 55.0. The mode's Qwen3-8B workload 8,513 / 8,503 against 8,036 / 8,018 output tok/s (H100,
+// alternating; the default mode 8,941 in the same call: 0.95x).
 constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
   const bool lm_head = n >= 65536;  // the vocabulary
   const bool wide = n > 8192;       // gate_up; QKV, o and down are at most 8192 wide
@@ -124,10 +134,15 @@ constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
   if (m <= 64) return dp(Config::kSwap64x64);
   if (m <= 128)
     return dp(lm_head ? Config::kSwap128x128 : wide ? Config::kSwap128x64 : Config::kSwap64x128);
+  if (m <= 192) {
+    if (lm_head) return dp(Config::kSwap128x192);
+    return dp(n > 4096 ? Config::kSwap128x96 : Config::kSwap128x64);
+  }
   if (m <= 256) {
-    if (lm_head || (wide && m <= 192)) return t256(DP);
+    if (lm_head) return t256(DP);
     return n > 4096 ? t128(DP) : dp(Config::kSwap128x64);
   }
+  if (m <= 384) return dp(n > 4096 ? Config::kSwap128x192 : Config::kSwap128x96);
   if (m <= 512) return dp(n > 4096 && !wide ? Config::kSwap128x64 : Config::kSwap128x128);
   return wide || k > 8192 ? t256(DP) : t128(DP);
 }
@@ -193,7 +208,9 @@ size_t cutlass_workspace(Config config, bool bf16, const Problem& p) {
     QWEN3_LINEAR_WORKSPACE(kSwap64x64, swap_64x64)
     QWEN3_LINEAR_WORKSPACE(kSwap64x128, swap_64x128)
     QWEN3_LINEAR_WORKSPACE(kSwap128x64, swap_128x64)
+    QWEN3_LINEAR_WORKSPACE(kSwap128x96, swap_128x96)
     QWEN3_LINEAR_WORKSPACE(kSwap128x128, swap_128x128)
+    QWEN3_LINEAR_WORKSPACE(kSwap128x192, swap_128x192)
 #undef QWEN3_LINEAR_WORKSPACE
     default:
       return 0;
@@ -218,7 +235,9 @@ cudaError_t run(Config config, bool bf16, const Problem& p) {
     QWEN3_LINEAR_RUN(kSwap64x64, swap_64x64)
     QWEN3_LINEAR_RUN(kSwap64x128, swap_64x128)
     QWEN3_LINEAR_RUN(kSwap128x64, swap_128x64)
+    QWEN3_LINEAR_RUN(kSwap128x96, swap_128x96)
     QWEN3_LINEAR_RUN(kSwap128x128, swap_128x128)
+    QWEN3_LINEAR_RUN(kSwap128x192, swap_128x192)
 #undef QWEN3_LINEAR_RUN
     case Config::kCublas:  // the caller runs cuBLAS (it asks linear_prefers_cublas first)
     case Config::kUnsupported:

@@ -1,8 +1,8 @@
-// Batch-invariant tiles linear.cu does not have (yet), for main.cu: data-parallel like every
+// Batch-invariant tiles linear.cu does not have, for main.cu: data-parallel like every
 // batch-invariant tile, so each gives the production tiles' bits (main.cu checks it).
-//   swap 64x96 / 128x96: 96 tokens a tile (M = 176: two tiles, 192 rows against 256)
-//   swap 64x192 / 128x192: 192 tokens a tile (M = 129..192: one tile a weight tile)
-//   swap 64x256 / 128x256 (M = 193..256 in one tile)
+//   swap 64x96: 96 tokens a tile with one consumer warp group (128x96 is linear.cu's)
+//   swap 64x192: 192 tokens a tile, one consumer warp group (128x192 is linear.cu's)
+//   swap 64x256 / 128x256: 256 tokens a tile (M = 193..256 in one tile)
 #include "linear_sm90.cuh"
 
 namespace qwen3_kernels::linear_detail {
@@ -22,11 +22,9 @@ using Cand = Sm90Gemm<cutlass::bfloat16_t, cute::Shape<cute::Int<kM>, cute::Int<
 #endif
 #if CAND_PART == 0 || CAND_PART == 1
 CAND(64, 96, false)
-CAND(128, 96, true)
 CAND(64, 192, false)
 #endif
 #if CAND_PART == 0 || CAND_PART == 2
-CAND(128, 192, true)
 CAND(64, 256, false)
 CAND(128, 256, true)
 #endif

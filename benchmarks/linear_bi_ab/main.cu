@@ -22,9 +22,7 @@ namespace qwen3_kernels::linear_detail {
   size_t NAME##_workspace(const Problem& p); \
   cudaError_t NAME(const Problem& p);
 DECL(cand_swap_64x96)
-DECL(cand_swap_128x96)
 DECL(cand_swap_64x192)
-DECL(cand_swap_128x192)
 DECL(cand_swap_64x256)
 DECL(cand_swap_128x256)
 }  // namespace qwen3_kernels::linear_detail
@@ -42,13 +40,13 @@ const Tile kTiles[] = {
     T("swap_64x64", sm90_swap_64x64_bf16),
     T("swap_64x128", sm90_swap_64x128_bf16),
     T("swap_128x64", sm90_swap_128x64_bf16),
+    T("swap_128x96", sm90_swap_128x96_bf16),
     T("swap_128x128", sm90_swap_128x128_bf16),
+    T("swap_128x192", sm90_swap_128x192_bf16),
     T("tile_128x128", sm90_tile_128x128_bf16),
     T("tile_128x256", sm90_tile_128x256_bf16),
     T("swap_64x96", cand_swap_64x96),
-    T("swap_128x96", cand_swap_128x96),
     T("swap_64x192", cand_swap_64x192),
-    T("swap_128x192", cand_swap_128x192),
     T("swap_64x256", cand_swap_64x256),
     T("swap_128x256", cand_swap_128x256),
 };
@@ -57,10 +55,9 @@ constexpr int kCount = sizeof(kTiles) / sizeof(kTiles[0]);
 // choose_invariant's pick at 129..512 tokens (linear.cu), by name.
 const char* chosen(int64_t m, int64_t n, int64_t k) {
   const bool lm_head = n >= 65536, wide = n > 8192;
-  if (m <= 256) {
-    if (lm_head || (wide && m <= 192)) return "tile_128x256";
-    return n > 4096 ? "tile_128x128" : "swap_128x64";
-  }
+  if (m <= 192) return lm_head ? "swap_128x192" : n > 4096 ? "swap_128x96" : "swap_128x64";
+  if (m <= 256) return lm_head ? "tile_128x256" : n > 4096 ? "tile_128x128" : "swap_128x64";
+  if (m <= 384) return n > 4096 ? "swap_128x192" : "swap_128x96";
   if (m <= 512) return n > 4096 && !wide ? "swap_128x64" : "swap_128x128";
   return wide || k > 8192 ? "tile_128x256" : "tile_128x128";
 }

@@ -451,9 +451,9 @@ enum class Config {
 //     wgmma M and 16 / 32 tokens as N, so few tokens pad nothing, and stream-K spreads the N / 128
 //     tiles' K over every SM. M = 32: qkv 10.1, gate_up 28.6, down 20.8 (o: Pingpong64 10.8 vs
 //     12.9, left); M = 64: qkv (x32) 10.6, o 9.1, gate_up (x32) 29.8, down 19.4.
-//   - M <= 128: N <= 4096 (o, down) SwapCoop128x32 (o 10.3-10.4; down 22.1-22.3 vs
-//     the cooperative 128 x 64 swapped tile 24.9-25.7), N <= 8192 (qkv) Pingpong64 (13.0-13.4), wider (gate_up)
-//     SwapPingpong128x64 (32.7-34.2 vs Coop128 36.9-38.5).
+//   - M <= 128: N <= 4096 (o, down) SwapCoop128x32 (o 10.3-10.4; down 22.1-22.3 vs the
+//     cooperative 128 x 64 swapped tile 24.9-25.7), N <= 8192 (qkv) Pingpong64 (13.0-13.4),
+//     wider (gate_up) SwapPingpong128x64 (32.7-34.2 vs Coop128 36.9-38.5).
 //   - M <= 192 (the decode steps of the throughput schedule, <= 176 sequences): N <= 4096
 //     Pingpong64 (o 11.2-13.0, down 25.9-30.6), else SwapCoop128x96: 96 tokens a tile, M = 176
 //     in two (gate_up 45.2-46.1 vs Coop128 55.0-65.6 at 144..192; qkv 17.0-17.1 vs 16.8-18.6).

@@ -2,7 +2,7 @@
 // (candidates.cu), on Qwen3-8B's projections at the token counts of the throughput schedule's
 // decode and mixed steps (129..512): every tile data-parallel, as the mode runs them. Alternating
 // rounds on the same inputs, the weight rotated through enough copies to pass the L2. Printed
-// per tile: best time and TFLOP/s, the tile choose_invariant picks today marked (*), and whether
+// per tile: best time and TFLOP/s, the tile choose_invariant picks marked (*), and whether
 // its output is bit-identical to swap 64x16's (the mode's tile at M <= 16: any tile the mode
 // runs must give the same bits).
 //   bash benchmarks/linear_bi_ab/build.sh && benchmarks/linear_bi_ab/build/ab [rounds]

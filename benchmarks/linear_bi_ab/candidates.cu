@@ -7,15 +7,16 @@
 
 namespace qwen3_kernels::linear_detail {
 
-template <int kM, int kN, bool kCoop>
-using Cand = Sm90Gemm<cutlass::bfloat16_t, cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::_64>,
+template <int kM, int kN, bool kCoop, int kK = 64>
+using Cand = Sm90Gemm<cutlass::bfloat16_t, cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::Int<kK>>,
                       cute::Shape<cute::_1, cute::_1, cute::_1>, true, kCoop>;
 
-#define CAND(M, N, COOP)                                                             \
-  size_t cand_swap_##M##x##N##_workspace(const Problem& p) {                         \
-    return Cand<M, N, COOP>::workspace_size(p);                                      \
+#define CANDK(NAME, M, N, COOP, K)                                                   \
+  size_t cand_##NAME##_workspace(const Problem& p) {                                 \
+    return Cand<M, N, COOP, K>::workspace_size(p);                                   \
   }                                                                                  \
-  cudaError_t cand_swap_##M##x##N(const Problem& p) { return Cand<M, N, COOP>::run(p); }
+  cudaError_t cand_##NAME(const Problem& p) { return Cand<M, N, COOP, K>::run(p); }
+#define CAND(M, N, COOP) CANDK(swap_##M##x##N, M, N, COOP, 64)
 
 #ifndef CAND_PART
 #define CAND_PART 0
@@ -27,6 +28,16 @@ CAND(64, 192, false)
 #if CAND_PART == 0 || CAND_PART == 2
 CAND(64, 256, false)
 CAND(128, 256, true)
+#endif
+// Few tokens (main.cu's "small" run, M = 1..16): a narrower token side, swap 64x16 with K steps
+// of 128 (linear.cu's takes 256), and a 128-row cooperative tile that can split K (the split-K
+// ones give other bits: usable only with the same split at every M of the shape).
+#if CAND_PART == 0 || CAND_PART == 3
+CANDK(swap_64x8, 64, 8, false, 128)
+CANDK(swap_64x16_k128, 64, 16, false, 128)
+#endif
+#if CAND_PART == 0 || CAND_PART == 4
+CANDK(swap_128x16, 128, 16, true, 128)
 #endif
 
 }  // namespace qwen3_kernels::linear_detail

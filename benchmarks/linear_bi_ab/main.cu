@@ -5,7 +5,9 @@
 // per tile: best time and TFLOP/s, the tile choose_invariant picks marked (*), and whether
 // its output is bit-identical to swap 64x16's (the mode's tile at M <= 16: any tile the mode
 // runs must give the same bits).
-//   bash benchmarks/linear_bi_ab/build.sh && benchmarks/linear_bi_ab/build/ab [rounds]
+// "small" instead: M = 1..16 (batch 1 and small decode batches), the mode's swap 64x16 against
+// narrower / K-step-128 / split-K tiles and the default mode's GEMV (linear_gemv.cu; M = 1 only).
+//   bash benchmarks/linear_bi_ab/build.sh && benchmarks/linear_bi_ab/build/ab [rounds] [small]
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -25,6 +27,12 @@ DECL(cand_swap_64x96)
 DECL(cand_swap_64x192)
 DECL(cand_swap_64x256)
 DECL(cand_swap_128x256)
+DECL(cand_swap_64x8)
+DECL(cand_swap_64x16_k128)
+DECL(cand_swap_128x16)
+// The default mode's M = 1 kernel (no workspace).
+size_t gemv_workspace(const Problem&) { return 0; }
+cudaError_t gemv(const Problem& p) { return gemv_gemm(p, true); }
 }  // namespace qwen3_kernels::linear_detail
 
 namespace L = qwen3_kernels::linear_detail;
@@ -33,9 +41,23 @@ struct Tile {
   const char* name;
   size_t (*workspace)(const L::Problem&);
   cudaError_t (*run)(const L::Problem&);
+  int splits = 1;  // > 1: split-K (the stream-K scheduler's SplitK), else data-parallel
+  int max_m = 1 << 30;
 };
-#define T(NAME, FN) {NAME, L::FN##_workspace, L::FN}
-const Tile kTiles[] = {
+#define T(NAME, FN, ...) {NAME, L::FN##_workspace, L::FN, ##__VA_ARGS__}
+const std::vector<Tile> kSmall = {
+    T("swap_64x16", sm90_swap_64x16_bf16),  // the bit reference: first
+    T("swap_64x8", cand_swap_64x8),
+    T("swap_64x16_k128", cand_swap_64x16_k128),
+    T("swap_64x32", sm90_swap_64x32_bf16),
+    T("swap_128x16", cand_swap_128x16),
+    T("swap_128x16_s2", cand_swap_128x16, 2),
+    T("swap_128x16_s3", cand_swap_128x16, 3),
+    T("swap_128x16_s4", cand_swap_128x16, 4),
+    T("swap_128x64_s2", sm90_swap_128x64_bf16, 2),
+    T("gemv", gemv, 1, 1),
+};
+const std::vector<Tile> kTiles = {
     T("swap_64x16", sm90_swap_64x16_bf16),  // the bit reference: first
     T("swap_64x64", sm90_swap_64x64_bf16),
     T("swap_64x128", sm90_swap_64x128_bf16),
@@ -50,7 +72,6 @@ const Tile kTiles[] = {
     T("swap_64x256", cand_swap_64x256),
     T("swap_128x256", cand_swap_128x256),
 };
-constexpr int kCount = sizeof(kTiles) / sizeof(kTiles[0]);
 
 // choose_invariant's pick at 129..512 tokens (linear.cu), by name.
 const char* chosen(int64_t m, int64_t n, int64_t k) {
@@ -64,12 +85,17 @@ const char* chosen(int64_t m, int64_t n, int64_t k) {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? atoi(argv[1]) : 3;
+  const bool small = argc > 2 && std::strcmp(argv[2], "small") == 0;
+  const std::vector<Tile>& tiles = small ? kSmall : kTiles;
+  const int kCount = static_cast<int>(tiles.size());
   const int iters = 10;
   struct Proj { const char* name; int64_t n, k; };
   const std::vector<Proj> projs = {{"qkv", 6144, 4096}, {"o", 4096, 4096},
                                    {"gate_up", 24576, 4096}, {"down", 4096, 12288},
                                    {"lm_head", 151936, 4096}};
-  const std::vector<int> ms = {129, 144, 160, 176, 192, 224, 256, 320, 384, 448, 512};
+  const std::vector<int> ms = small ? std::vector<int>{1, 2, 4, 8, 16}
+                                    : std::vector<int>{129, 144, 160, 176, 192, 224, 256, 320,
+                                                       384, 448, 512};
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
@@ -98,7 +124,11 @@ int main(int argc, char** argv) {
       p.device = 0; p.sm_count = prop.multiProcessorCount;
       p.decomposition = L::Decomposition::kDataParallel; p.splits = 1; p.stream = stream;
       size_t wsb = 0;
-      for (const Tile& t : kTiles) wsb = std::max(wsb, t.workspace(p));
+      for (const Tile& t : tiles) {
+        p.splits = t.splits;
+        p.decomposition = t.splits > 1 ? L::Decomposition::kSplitK : L::Decomposition::kDataParallel;
+        wsb = std::max(wsb, t.workspace(p));
+      }
       if (wsb) CK(cudaMalloc(&p.workspace, wsb));
       p.workspace_bytes = wsb;
       std::vector<__nv_bfloat16> ref(m * n), got(m * n);
@@ -107,12 +137,15 @@ int main(int argc, char** argv) {
       for (int i = 0; i < kCount; ++i) best[i] = 1e30f, ok[i] = true, same[i] = true;
       for (int r = 0; r < rounds; ++r) {
         for (int ti = 0; ti < kCount; ++ti) {
-          if (!ok[ti]) continue;
+          if (!ok[ti] || m > tiles[ti].max_m) continue;
+          p.splits = tiles[ti].splits;
+          p.decomposition = p.splits > 1 ? L::Decomposition::kSplitK
+                                         : L::Decomposition::kDataParallel;
           p.w = ws[0];
           CK(cudaMemset(out, 0xff, m * n * 2));
-          cudaError_t err = kTiles[ti].run(p);
+          cudaError_t err = tiles[ti].run(p);
           if (err != cudaSuccess) {
-            printf("  %s M=%d %s: %s\n", pj.name, m, kTiles[ti].name, cudaGetErrorString(err));
+            printf("  %s M=%d %s: %s\n", pj.name, m, tiles[ti].name, cudaGetErrorString(err));
             cudaGetLastError();
             ok[ti] = false;
             continue;
@@ -123,9 +156,9 @@ int main(int argc, char** argv) {
                           cudaMemcpyDeviceToHost));
             if (ti > 0) same[ti] = std::memcmp(ref.data(), got.data(), ref.size() * 2) == 0;
           }
-          for (int i = 0; i < copies; ++i) { p.w = ws[i]; CK(kTiles[ti].run(p)); }
+          for (int i = 0; i < copies; ++i) { p.w = ws[i]; CK(tiles[ti].run(p)); }
           CK(cudaEventRecord(e0, stream));
-          for (int i = 0; i < iters; ++i) { p.w = ws[i % copies]; CK(kTiles[ti].run(p)); }
+          for (int i = 0; i < iters; ++i) { p.w = ws[i % copies]; CK(tiles[ti].run(p)); }
           CK(cudaEventRecord(e1, stream));
           CK(cudaEventSynchronize(e1));
           float ms_ = 0.f;
@@ -133,14 +166,15 @@ int main(int argc, char** argv) {
           best[ti] = std::min(best[ti], ms_ * 1000.f / iters);
         }
       }
-      const char* pick = chosen(m, n, k);
+      const char* pick = small ? "swap_64x16" : chosen(m, n, k);
       printf("%-8s M=%-4d", pj.name, m);
       for (int ti = 0; ti < kCount; ++ti) {
-        if (!ok[ti]) continue;
-        const double tf = 2.0 * m * n * k / (best[ti] * 1e-6) / 1e12;
-        printf(" | %s%s%s %.2f us %.0f TF", kTiles[ti].name,
-               std::strcmp(pick, kTiles[ti].name) == 0 ? "*" : "", same[ti] ? "" : " (BITS DIFFER)",
-               best[ti], tf);
+        if (!ok[ti] || m > tiles[ti].max_m) continue;
+        // TFLOP/s, or for the small run TB/s of the weight
+        const double rate = (small ? double(w_bytes) : 2.0 * m * n * k) / (best[ti] * 1e-6) / 1e12;
+        printf(" | %s%s%s %.2f us %.*f %s", tiles[ti].name,
+               std::strcmp(pick, tiles[ti].name) == 0 ? "*" : "", same[ti] ? "" : " (BITS DIFFER)",
+               best[ti], small ? 2 : 0, rate, small ? "TB/s" : "TF");
       }
       printf("\n");
       fflush(stdout);

@@ -126,6 +126,9 @@ constexpr Choice dp(Config c) { return {c, DP, 0}; }
 // 128x64 / 128x128 before): QKV 42.4 -> 35.1, o 24.9 -> 21.0, gate_up 119.1 -> 106.4, down 64.0
 // -> 55.0. The mode's Qwen3-8B workload 8,513 / 8,503 against 8,036 / 8,018 output tok/s (H100,
 // alternating; the default mode 8,941 in the same call: 0.95x).
+// At M <= 16 the swap 64x16 tile streams K in steps of 256 (its TU says why): the mode's Qwen3-8B
+// batch 1 171.7 / 171.7 against 170.1 / 170.1 decode tok/s with steps of 128 (H100, alternating;
+// the default mode 177.0 in the same call: 0.97x).
 constexpr Choice choose_invariant(int64_t m, int64_t n, int64_t k) {
   const bool lm_head = n >= 65536;  // the vocabulary
   const bool wide = n > 8192;       // gate_up; QKV, o and down are at most 8192 wide

@@ -14,7 +14,8 @@ flags=(-std=c++17 -O3 --expt-relaxed-constexpr --expt-extended-lambda -DNDEBUG -
        -I"$root/benchmarks" -I"$cutlass/include" -I"$cutlass/tools/util/include")
 g="$root/csrc/kernels/gemm"
 srcs=("$here/main.cu" "$here/candidates.cu:-DCAND_PART=1" "$here/candidates.cu:-DCAND_PART=2"
-      "$here/candidates.cu:-DCAND_PART=3" "$here/candidates.cu:-DCAND_PART=4" "$g/linear_gemv.cu")
+      "$here/candidates.cu:-DCAND_PART=3" "$here/candidates.cu:-DCAND_PART=4" "$here/candidates.cu:-DCAND_PART=5"
+      "$g/linear_gemv.cu")
 for t in swap_64x16 swap_64x32 swap_64x64 swap_64x128 swap_128x64 swap_128x96 swap_128x128 swap_128x192 \
          tile_128x128 tile_128x256; do
   srcs+=("$g/linear_${t}_bf16.cu")

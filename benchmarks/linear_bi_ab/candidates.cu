@@ -29,15 +29,20 @@ CAND(64, 192, false)
 CAND(64, 256, false)
 CAND(128, 256, true)
 #endif
-// Few tokens (main.cu's "small" run, M = 1..16): a narrower token side, swap 64x16 with K steps
-// of 128 (linear.cu's takes 256), and a 128-row cooperative tile that can split K (the split-K
-// ones give other bits: usable only with the same split at every M of the shape).
+// Few tokens (main.cu's "small" run, M = 1..64): a narrower token side, swap 64x16 with K steps
+// of 128 (linear.cu's takes 256), swap 64x32 / 64x64 with steps of 256 (linear.cu's take 128 / 64),
+// and a 128-row cooperative tile that can split K (the split-K ones give other bits: usable only
+// with the same split at every M of the shape).
 #if CAND_PART == 0 || CAND_PART == 3
 CANDK(swap_64x8, 64, 8, false, 128)
 CANDK(swap_64x16_k128, 64, 16, false, 128)
 #endif
 #if CAND_PART == 0 || CAND_PART == 4
 CANDK(swap_128x16, 128, 16, true, 128)
+#endif
+#if CAND_PART == 0 || CAND_PART == 5
+CANDK(swap_64x32_k256, 64, 32, false, 256)
+CANDK(swap_64x64_k256, 64, 64, false, 256)
 #endif
 
 }  // namespace qwen3_kernels::linear_detail

@@ -5,8 +5,9 @@
 // per tile: best time and TFLOP/s, the tile choose_invariant picks marked (*), and whether
 // its output is bit-identical to swap 64x16's (the mode's tile at M <= 16: any tile the mode
 // runs must give the same bits).
-// "small" instead: M = 1..16 (batch 1 and small decode batches), the mode's swap 64x16 against
-// narrower / K-step-128 / split-K tiles and the default mode's GEMV (linear_gemv.cu; M = 1 only).
+// "small" instead: M = 1..64 (batch 1 and small decode batches), the mode's swap 64x16 / 64x32 /
+// 64x64 against narrower, other-K-step and split-K tiles and the default mode's GEMV
+// (linear_gemv.cu; M = 1 only).
 //   bash benchmarks/linear_bi_ab/build.sh && benchmarks/linear_bi_ab/build/ab [rounds] [small]
 #include <cuda_bf16.h>
 
@@ -30,6 +31,8 @@ DECL(cand_swap_128x256)
 DECL(cand_swap_64x8)
 DECL(cand_swap_64x16_k128)
 DECL(cand_swap_128x16)
+DECL(cand_swap_64x32_k256)
+DECL(cand_swap_64x64_k256)
 // The default mode's M = 1 kernel (no workspace).
 size_t gemv_workspace(const Problem&) { return 0; }
 cudaError_t gemv(const Problem& p) { return gemv_gemm(p, true); }
@@ -47,14 +50,15 @@ struct Tile {
 #define T(NAME, FN, ...) {NAME, L::FN##_workspace, L::FN, ##__VA_ARGS__}
 const std::vector<Tile> kSmall = {
     T("swap_64x16", sm90_swap_64x16_bf16),  // the bit reference: first
-    T("swap_64x8", cand_swap_64x8),
-    T("swap_64x16_k128", cand_swap_64x16_k128),
+    T("swap_64x16_k128", cand_swap_64x16_k128, 1, 16),
+    T("swap_64x8", cand_swap_64x8, 1, 16),
     T("swap_64x32", sm90_swap_64x32_bf16),
-    T("swap_128x16", cand_swap_128x16),
-    T("swap_128x16_s2", cand_swap_128x16, 2),
-    T("swap_128x16_s3", cand_swap_128x16, 3),
-    T("swap_128x16_s4", cand_swap_128x16, 4),
-    T("swap_128x64_s2", sm90_swap_128x64_bf16, 2),
+    T("swap_64x32_k256", cand_swap_64x32_k256),
+    T("swap_64x64", sm90_swap_64x64_bf16),
+    T("swap_64x64_k256", cand_swap_64x64_k256),
+    T("swap_128x16", cand_swap_128x16, 1, 16),
+    T("swap_128x16_s2", cand_swap_128x16, 2, 16),
+    T("swap_128x16_s4", cand_swap_128x16, 4, 16),
     T("gemv", gemv, 1, 1),
 };
 const std::vector<Tile> kTiles = {
@@ -73,9 +77,13 @@ const std::vector<Tile> kTiles = {
     T("swap_128x256", cand_swap_128x256),
 };
 
-// choose_invariant's pick at 129..512 tokens (linear.cu), by name.
+// choose_invariant's pick (linear.cu), by name.
 const char* chosen(int64_t m, int64_t n, int64_t k) {
   const bool lm_head = n >= 65536, wide = n > 8192;
+  if (m <= 16) return "swap_64x16";
+  if (m <= 32) return "swap_64x32";
+  if (m <= 64) return "swap_64x64";
+  if (m <= 128) return lm_head ? "swap_128x128" : wide ? "swap_128x64" : "swap_64x128";
   if (m <= 192) return lm_head ? "swap_128x192" : n > 4096 ? "swap_128x96" : "swap_128x64";
   if (m <= 256) return lm_head ? "tile_128x256" : n > 4096 ? "tile_128x128" : "swap_128x64";
   if (m <= 384) return n > 4096 ? "swap_128x192" : "swap_128x96";
@@ -93,7 +101,7 @@ int main(int argc, char** argv) {
   const std::vector<Proj> projs = {{"qkv", 6144, 4096}, {"o", 4096, 4096},
                                    {"gate_up", 24576, 4096}, {"down", 4096, 12288},
                                    {"lm_head", 151936, 4096}};
-  const std::vector<int> ms = small ? std::vector<int>{1, 2, 4, 8, 16}
+  const std::vector<int> ms = small ? std::vector<int>{1, 2, 4, 8, 16, 24, 32, 48, 64}
                                     : std::vector<int>{129, 144, 160, 176, 192, 224, 256, 320,
                                                        384, 448, 512};
   cudaDeviceProp prop;
@@ -166,7 +174,7 @@ int main(int argc, char** argv) {
           best[ti] = std::min(best[ti], ms_ * 1000.f / iters);
         }
       }
-      const char* pick = small ? "swap_64x16" : chosen(m, n, k);
+      const char* pick = chosen(m, n, k);
       printf("%-8s M=%-4d", pj.name, m);
       for (int ti = 0; ti < kCount; ++ti) {
         if (!ok[ti] || m > tiles[ti].max_m) continue;

@@ -304,8 +304,8 @@ def test_prefill_prefix_chunk(report, lq, lk):
 
 @pytest.mark.parametrize("batch,seqlen,block_size", [(8, 2048, 16), (1, 4096, 256)])
 def test_prefill_fp8_kv(report, batch, seqlen, block_size):
-    """FP8 KV cache: the same K/V rounded to e4m3 (scale 1), read by our prefill (prefill.cu's
-    mma.sync kernel, which widens the e4m3 tiles to fp16); against cuDNN and our bf16-cache
+    """FP8 KV cache: the same K/V rounded to e4m3 (scale 1), read by our prefill (on Hopper the
+    wgmma kernel, whose producer widens the e4m3 tiles to fp16); against cuDNN and our bf16-cache
     kernel on the same problem. What reading an fp8 cache costs a prefill."""
     from torch.nn.attention import SDPBackend
 

@@ -185,15 +185,17 @@ def test_decode_fp8_against_bf16_cache():
     assert err < FP8_VS_BF16
 
 
-def prefill_case(seqs, hq, hkv, block_size, seed):
-    return Case(seqs, hq, hkv, block_size, torch.bfloat16, seed=seed).cuda()
+def prefill_case(seqs, hq, hkv, block_size, seed, dtype=torch.bfloat16):
+    return Case(seqs, hq, hkv, block_size, dtype, seed=seed).cuda()
 
 
-def run_prefill(case, k_scale, v_scale):
+def run_prefill(case, k_scale, v_scale, max_seqlen_q=None):
+    """max_seqlen_q above the longest query only sizes the grid (8193+: the one-tile grid)."""
     k8, v8, kd, vd = fp8_cache(case.k_cache, case.v_cache, k_scale, v_scale)
     out = torch.full_like(case.q, float("nan"))
     qwen3_kernels.paged_attention_prefill(case.q, k8, v8, case.cu_seqlens_q, case.seq_lens_k,
-                                          case.block_tables, case.max_seqlen_q, case.scale,
+                                          case.block_tables, max_seqlen_q or case.max_seqlen_q,
+                                          case.scale,
                                           out=out, k_scale=k_scale, v_scale=v_scale)
     want = torch.empty(case.q.shape, dtype=torch.float32, device="cuda")
     lowp = torch.empty(case.q.shape, dtype=torch.float32, device="cuda")
@@ -209,18 +211,63 @@ def run_prefill(case, k_scale, v_scale):
     return out, want, lowp
 
 
-@pytest.mark.parametrize("scales", SCALES, ids=["scale1", "scaled"])
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8), (10, 2), (8, 8)])
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_prefill_reads_e4m3(block_size, hq, hkv, scales):
-    # fresh prompts, prefix-cache hits and chunks (Lk > Lq), one token, odd lengths
-    seqs = [(1, 1), (17, 17), (129, 129), (300, 1000), (64, 2100), (1, 777), (513, 513)]
-    case = prefill_case(seqs, hq, hkv, block_size, seed=hq + block_size)
-    out, want, lowp = run_prefill(case, *scales)
+def check_prefill(seqs, hq, hkv, block_size, scales, seed, dtype=torch.bfloat16,
+                  max_seqlen_q=None):
+    case = prefill_case(seqs, hq, hkv, block_size, seed=seed, dtype=dtype)
+    out, want, lowp = run_prefill(case, *scales, max_seqlen_q=max_seqlen_q)
     cu = case.cu_seqlens_q.tolist()
     for b, (lq, lk) in enumerate(seqs):
         s, e = cu[b], cu[b + 1]
         fa3_check(out[s:e], want[s:e], lowp[s:e], f"prefill sequence {b} (Lq={lq}, Lk={lk})")
+
+
+# fresh prompts, prefix-cache hits and chunks (Lk > Lq), one token, odd lengths
+PREFILL_SEQS = [(1, 1), (17, 17), (129, 129), (300, 1000), (64, 2100), (1, 777), (513, 513)]
+
+
+# On Hopper the wgmma kernel reads the cache (its producer widens e4m3 tiles; group 10 / 2 takes
+# its cp.async Q path), elsewhere the mma.sync kernel. Pages of 16 / 64 keys are several a tile.
+@pytest.mark.parametrize("scales", SCALES, ids=["scale1", "scaled"])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 8), (10, 2), (8, 8)])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_prefill_reads_e4m3(block_size, hq, hkv, scales):
+    check_prefill(PREFILL_SEQS, hq, hkv, block_size, scales, seed=hq + block_size)
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (10, 2)])
+def test_prefill_reads_e4m3_fp16(hq, hkv):
+    check_prefill(PREFILL_SEQS, hq, hkv, 16, SCALES[1], seed=5, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (10, 2)])
+def test_prefill_reads_e4m3_one_tile_grid(hq, hkv):
+    # max_seqlen_q above 8192: one CTA per work tile instead of the persistent grid
+    check_prefill(PREFILL_SEQS, hq, hkv, 64, SCALES[1], seed=6, max_seqlen_q=8193)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (10, 2)])
+def test_prefill_chunks_match_whole_prompt_bitwise(kv, hq, hkv):
+    """A prompt prefilled in chunks over its cached prefix (chunked prefill, prefix-cache hits)
+    gets the bits of its prefill in one piece: a row's arithmetic does not depend on the query
+    length or on which rows share its M tile."""
+    n, cuts = 1000, [0, 1, 300, 777, 1000]
+    case = prefill_case([(n, n)], hq, hkv, 16, seed=11)
+    k_cache, v_cache = case.k_cache, case.v_cache
+    kw = {}
+    if kv == "fp8":
+        k_cache, v_cache, _, _ = fp8_cache(k_cache, v_cache, 0.05, 0.3)
+        kw = dict(k_scale=0.05, v_scale=0.3)
+    whole = qwen3_kernels.paged_attention_prefill(case.q, k_cache, v_cache, case.cu_seqlens_q,
+                                                  case.seq_lens_k, case.block_tables, n,
+                                                  case.scale, **kw)
+    for s, e in zip(cuts[:-1], cuts[1:]):
+        part = qwen3_kernels.paged_attention_prefill(
+            case.q[s:e].contiguous(), k_cache, v_cache,
+            torch.tensor([0, e - s], dtype=torch.int32, device="cuda"),
+            torch.tensor([e], dtype=torch.int32, device="cuda"), case.block_tables, e - s,
+            case.scale, **kw)
+        assert torch.equal(part, whole[s:e]), f"rows {s}..{e} over {e} keys differ"
 
 
 def test_prefill_fp8_against_bf16_cache():
@@ -310,8 +357,13 @@ def test_engine_fp8_kv_graphs_prefix_and_agreement(tmp_path):
     assert same >= total // 2
     for i, (a, b) in enumerate(zip(outs["graphs"], outs["eager"])):
         assert a[:4] == b[:4], f"prompt {i}: graphs {a} != eager {b}"
-    # prefix-cache hits (the repeated prompts) read the fp8 blocks the first pass wrote
-    assert outs["chunked"][len(prompts):] == outs["chunked"][:3]
+    # Prefix-cache hits (the repeated prompts) read the fp8 blocks the first pass wrote: wrong
+    # blocks change the first tokens. Not all 32: a repeat decodes in other batches than its
+    # original, and on an fp8 cache greedy tokens then diverged late in 2 of 4 random checkpoints
+    # (tokens 19 and 24, H100, either prefill kernel). The prefill itself is checked bit for bit
+    # by test_prefill_chunks_match_whole_prompt_bitwise.
+    for i, (again, first) in enumerate(zip(outs["chunked"][len(prompts):], outs["chunked"][:3])):
+        assert again[:8] == first[:8], f"prompt {i} after a prefix-cache hit: {again} != {first}"
     same, total, identical = greedy_agreement(outs["graphs"], outs["bf16"])
     print(f"fp8 KV vs bf16 KV greedy agreement on {torch.cuda.get_device_name()}: {same}/{total} "
           f"tokens before the first difference, {identical}/{len(prompts)} identical")

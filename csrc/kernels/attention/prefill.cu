@@ -28,8 +28,8 @@
 // e4m3 bytes in a staging tile (plain rows of 128 bytes, 8 threads a row); after a tile lands each
 // thread widens the chunks it copied to fp16 into the usual swizzled tile, and the mma runs in fp16
 // (e4m3 -> fp16 is exact; Q is turned into fp16 once, exact in fp16's normal range). k_scale is
-// folded into the softmax scale, v_scale into the output's normalisation. Only this kernel reads
-// an fp8 cache: the entry point does not hand such a call to the wgmma kernel.
+// folded into the softmax scale, v_scale into the output's normalisation. The wgmma kernel reads
+// an fp8 cache the same way (its producer widens the tiles; prefill_sm90_ws.cu).
 //
 // Numerics: fp32 scores and accumulators; softmax in base 2 with scale * log2(e) folded into
 // one FMA; P rounded to the input dtype for the P V product (as FlashAttention does); the output
@@ -368,10 +368,10 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   // sequence and one CTA per work tile above. H200 (bench_attention_prefill.py, four runs):
   // persistent against one-tile 0.5-4% faster at causal 4k (268.3 / 279.3 us; cuDNN 273.4),
   // 2.3-3.5% at 8 x 2k, equal on prefix chunks of 512 and 2048 queries, 0.6-6.3% slower at 16k.
-  // Elsewhere (sm_80 .. sm_89), and for an fp8 cache on every device: this file's mma.sync kernel.
+  // An fp8 cache takes the same kernels. Elsewhere (sm_80 .. sm_89): this file's mma.sync kernel.
   constexpr int kPersistentMaxSeqlenQ = 8192;
-  if (!kv.fp8 && prefill::sm90_available())
-    return prefill::launch_sm90_ws(p, num_tokens, batch, max_seqlen_q, dtype,
+  if (prefill::sm90_available())
+    return prefill::launch_sm90_ws(p, num_tokens, batch, max_seqlen_q, dtype, kv.fp8,
                                    max_seqlen_q <= kPersistentMaxSeqlenQ, stream);
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     return kv.fp8 ? launch_prefill<T, uint8_t>(p, batch, max_seqlen_q, stream)

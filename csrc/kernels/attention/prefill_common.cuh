@@ -24,7 +24,7 @@ struct PrefillParams {
   int block_size_log2;          // block_size is a power of two (16..256)
   int max_blocks;
   float scale_log2;             // softmax scale * k_scale * log2(e): scores go straight into exp2
-  float v_scale;                // the output's factor (1 but for an fp8 cache, prefill.cu only)
+  float v_scale;                // the output's factor (1 but for an fp8 cache)
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------
@@ -167,11 +167,12 @@ __device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha
 
 // Host side of the warp-specialised wgmma kernel (prefill_sm90_ws.cu). sm90_available() is true
 // when the current device runs its sm_90a code (an H100/H200 with this binary built for sm_90a);
-// launch_sm90_ws() returns cudaErrorNotSupported otherwise. persistent: one CTA per SM walking
-// the work tiles, else one CTA per work tile.
+// launch_sm90_ws() returns cudaErrorNotSupported otherwise. fp8_kv: the cache is e4m3 (k_scale
+// folded into scale_log2, v_scale the output's factor). persistent: one CTA per SM walking the
+// work tiles, else one CTA per work tile.
 bool sm90_available();
 cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, int max_seqlen_q,
-                           DType dtype, bool persistent, cudaStream_t stream);
+                           DType dtype, bool fp8_kv, bool persistent, cudaStream_t stream);
 
 // The deterministic mode's decode of the sequences of at most kDecodeInvariantSplitKeys keys, in
 // these kernels' per-row order (decode_prefill_order.cu): q / out [B, Hq, D], seq_lens_k [B]

@@ -99,6 +99,24 @@
 // (sequence, kv head) pairs in L2-sized sections (hit rate 47% -> 85% at 8 x 2k, 3-13% slower):
 // 0.87-1.03x. Older variants (branch experiment/prefill-sm90-variants): a single-role kernel,
 // 2-stage rings, no ping-pong.
+//
+// FP8 cache (KV = uint8_t, e4m3 with per-layer scales; prefill.cu's header has the numerics): the
+// GEMMs run in fp16 (e4m3 -> fp16 is exact). The producer copies each K / V tile's e4m3 bytes
+// into a staging tile (plain 128-byte rows; one for K, one for V), waits for its own copies,
+// widens them to fp16 into the ring slot (the swizzled tile the wgmma descriptors read) and
+// arrives on the slot's "full" barrier with an ordinary arrival; the next tile's copies go out as
+// soon as a staging tile has been widened, so the copies of tile n + 1 are in flight while the
+// producer waits for slot n's consumers. Each consumer turns its 64 rows of a bf16 Q buffer into
+// fp16 in place before its first S. The staging tiles (32 KiB) cost the persistent grid its third
+// V slot and the one-tile grid its third K slot.
+// Measured (H100, bench_attention_prefill.py's fp8 rows, causal 32/8, us): against the mma.sync
+// kernel that read an fp8 cache before, same call: 8 x 2k bs 16 1,283.9 -> 869.9, 4k bs 256
+// 615.5 -> 366.6; still 0.75x / 0.69x of this kernel on a bf16 cache (665 / 256). Lost, same
+// call, alternating (branch experiment/prefill-ws-fp8-in-slot): each e4m3 chunk staged inside the
+// ring slot where its fp16 values go and widened in place, which keeps the 16-bit kernel's rings
+// and needs no staging tiles: 915.0 / 911.1 against 877.8 / 880.0 at 8 x 2k, 385.3 / 386.2
+// against 370.1 / 366.0 at 4k (a copy must then wait for its slot to empty, and the copies run
+// only one tile ahead of the widening either way).
 #include <cuda.h>  // CUtensorMap (the map is encoded through the runtime's driver entry point)
 #include <cudaTypedefs.h>
 
@@ -106,6 +124,7 @@
 #include <type_traits>
 
 #include "prefill_common.cuh"
+#include "qwen3_kernels/e4m3.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QWEN3_PREFILL_WS 1
@@ -121,23 +140,29 @@ constexpr int kThreads = 384;                       // producer + 2 consumer war
 constexpr int kQBytes = kBlockM * kHeadDim * 2;     // 32 KiB per Q buffer
 constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // 32 KiB per K or V slot
 // setmaxnreg budgets: the producer needs ~37 registers, a consumer ~190 (O, S and P of a 64 x 128
-// tile live at once: 64 + 64 + 32). 128 * 40 + 256 * 232 = 64512 = 384 threads x 168.
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "register file");
+// tile live at once: 64 + 64 + 32). 128 * 40 + 256 * 232 = 64512 = 384 threads x 168. An fp8
+// cache's producer also widens tiles (a chunk in, two out): at 40 it spills, at 56 it does not.
+template <bool kFp8>
+constexpr int kProducerRegs = kFp8 ? 56 : 40;
+template <bool kFp8>
+constexpr int kConsumerRegs = kFp8 ? 224 : 232;
+static_assert(128 * kProducerRegs<false> + 256 * kConsumerRegs<false> <= 65536, "register file");
+static_assert(128 * kProducerRegs<true> + 256 * kConsumerRegs<true> <= 65536, "register file");
 
 constexpr int kInfoBytes = 64;                      // one published work tile (TileInfo)
 
 // The buffers of each grid: the persistent one double-buffers Q at the cost of a K slot; the
-// one-tile grid has one tile, so one Q buffer and a K ring of 3.
-template <bool kPersistent>
+// one-tile grid has one tile, so one Q buffer and a K ring of 3. An fp8 cache's two staging tiles
+// take a V slot (persistent) or a K slot (one-tile).
+template <bool kPersistent, bool kFp8>
 struct Buffers {
-  static constexpr int kQ = kPersistent ? 2 : 1;  // Q buffers (each with its TileInfo)
-  static constexpr int kK = kPersistent ? 2 : 3;  // K ring depth
-  static constexpr int kV = 3;                    // V ring depth
-  // 1 KiB alignment slack + Q buffers + the K and V rings + TileInfos + the barriers (a full and
-  // an empty per Q buffer and ring slot, 8 bytes each).
-  static constexpr int kSmemBytes = 1024 + kQ * kQBytes + (kK + kV) * kTileBytes +
+  static constexpr int kQ = kPersistent ? 2 : 1;                // Q buffers (with a TileInfo each)
+  static constexpr int kK = kPersistent || kFp8 ? 2 : 3;        // K ring depth
+  static constexpr int kV = kPersistent && kFp8 ? 2 : 3;        // V ring depth
+  static constexpr int kStaging = kFp8 ? 2 * kBlockN * kHeadDim : 0;  // e4m3 K and V tiles
+  // 1 KiB alignment slack + Q buffers + the K and V rings + staging + TileInfos + the barriers (a
+  // full and an empty per Q buffer and ring slot, 8 bytes each).
+  static constexpr int kSmemBytes = 1024 + kQ * kQBytes + (kK + kV) * kTileBytes + kStaging +
                                     kQ * kInfoBytes + 16 * (kQ + kK + kV);
   static_assert(kSmemBytes <= 227 * 1024, "the rings must fit the opt-in shared memory");
 };
@@ -194,22 +219,28 @@ constexpr int kEndOfWork = -2;
 // longest rows first). Persistent (kPersistent): grid (min(tiles, SMs)), tiles from
 // persistent_tile. kTmaQ: thread 0 loads each Q tile with two TMA copies through q_map (see
 // encode_q_map); else all producer threads copy it with cp.async (q_map unused).
-template <typename T, bool kPersistent, bool kTmaQ>
+// KV: the cache's element type (T, or uint8_t for e4m3); M: the GEMMs' 16-bit type.
+template <typename T, typename KV, bool kPersistent, bool kTmaQ>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_ws_kernel(const PrefillParams p, const __grid_constant__ CUtensorMap q_map,
                       int m_blocks, int batch) {
 #if defined(QWEN3_PREFILL_WS)
   using namespace sm90;
-  constexpr int kQBuffers = Buffers<kPersistent>::kQ;
-  constexpr int kKStages = Buffers<kPersistent>::kK;
-  constexpr int kVStages = Buffers<kPersistent>::kV;
+  constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
+  using M = std::conditional_t<kFp8, __half, T>;
+  using Buf = Buffers<kPersistent, kFp8>;
+  constexpr int kQBuffers = Buf::kQ;
+  constexpr int kKStages = Buf::kK;
+  constexpr int kVStages = Buf::kV;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
   const uint32_t s_q = (raw_addr + 1023) & ~1023u;  // [kQBuffers] Q buffers
   uint8_t* smem = smem_raw + (s_q - raw_addr);
   const uint32_t s_k = s_q + kQBuffers * kQBytes;       // [kKStages] K slots
   const uint32_t s_v = s_k + kKStages * kTileBytes;     // [kVStages] V slots
-  const uint32_t s_info = s_v + kVStages * kTileBytes;  // [kQBuffers] TileInfo
+  const uint32_t s_k8 = s_v + kVStages * kTileBytes;    // fp8 cache: e4m3 K staging tile
+  const uint32_t s_v8 = s_k8 + Buf::kStaging / 2;       //   and V staging tile
+  const uint32_t s_info = s_k8 + Buf::kStaging;         // [kQBuffers] TileInfo
   TileInfo* info = reinterpret_cast<TileInfo*>(smem + (s_info - s_q));
   const uint32_t s_bar = s_info + kQBuffers * kInfoBytes;    // 8-byte mbarriers:
   const uint32_t bar_q_full = s_bar;                         //   [kQBuffers] Q + info landed
@@ -252,16 +283,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {
     // ---------------------------------- producer ----------------------------------
-    regs_dealloc<kProducerRegs>();
-    const int ld_chunk = tid & 15;  // 16 threads copy one 256-byte row
+    regs_dealloc<kProducerRegs<kFp8>>();
+    const int ld_chunk = tid & 15;  // Q: 16 threads copy one 256-byte row
     const int ld_row = tid >> 4;    // rows ld_row + 8 i
+    // K / V: a cache row is kKvChunks 16-byte chunks (16 for 16-bit, 8 for e4m3); this thread
+    // copies chunk kv_chunk of rows kv_row + kKvRowsPerPass i.
+    constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;
+    constexpr int kKvRowsPerPass = 128 / kKvChunks;
+    const int kv_chunk = tid % kKvChunks;
+    const int kv_row = tid / kKvChunks;
     const int64_t slot_stride = (int64_t)p.num_kv_heads * kHeadDim;  // elements between slots
     const int log2_bs = p.block_size_log2;
     const int block_mask = (1 << log2_bs) - 1;
-    // Row ld_row + 8 i of a tile lands at dst_row0 + 1024 i: the 128-byte swizzle XORs the chunk
-    // with row & 7, which is ld_row for all 16 of this thread's rows.
-    const uint32_t dst_row0 = gmma_offset(ld_row, ld_chunk, kBlockN);
-    const int64_t row_step = 8 * slot_stride;  // elements from one of its rows to the next
+    // Row kv_row + kKvRowsPerPass i of a tile lands at dst_row0 + kDstRowStep i: in a 16-bit slot
+    // the 128-byte swizzle XORs the chunk with row & 7, which is kv_row for all 16 of this
+    // thread's rows; a staging tile has plain 128-byte rows.
+    const uint32_t dst_row0 =
+        kFp8 ? kv_row * kHeadDim + kv_chunk * 16 : gmma_offset(kv_row, kv_chunk, kBlockN);
+    constexpr uint32_t kDstRowStep = kFp8 ? kKvRowsPerPass * kHeadDim : 1024;
+    const int64_t row_step = kKvRowsPerPass * slot_stride;  // elements from one row to the next
     int k_stage = 0, v_stage = 0;              // next ring slots, over all work tiles
     uint32_t k_parity = 0, v_parity = 0;       // (tiles through the ring / depth) & 1
     int j = 0;  // tiles published: Q buffer j % kQBuffers
@@ -326,24 +366,29 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tid == 0) mbar_arrive(bar_q_full + 8 * b);  // releases the info written above
       }
 
-      const T* k_head = static_cast<const T*>(p.k_cache) + t.kv_head * kHeadDim + ld_chunk * 8;
-      const T* v_head = static_cast<const T*>(p.v_cache) + t.kv_head * kHeadDim + ld_chunk * 8;
+      constexpr int kChunkElems = 16 / static_cast<int>(sizeof(KV));
+      const KV* k_head =
+          static_cast<const KV*>(p.k_cache) + t.kv_head * kHeadDim + kv_chunk * kChunkElems;
+      const KV* v_head =
+          static_cast<const KV*>(p.v_cache) + t.kv_head * kHeadDim + kv_chunk * kChunkElems;
       const int32_t* table = p.block_tables + (int64_t)t.seq * p.max_blocks;
       // Pages of 2^kLog2 < 128 keys: a tile starts on a page boundary and spans 128 >> kLog2
-      // pages; this thread's rows of a page are the kPageRows rows ld_row, ld_row + 8, ... of it.
-      auto load_small_pages = [&](uint32_t dst, const T* head_base, int kt, auto log2_tag) {
+      // pages; this thread's rows of a page are the kPageRows rows kv_row, kv_row +
+      // kKvRowsPerPass, ... of it.
+      auto load_small_pages = [&](uint32_t dst, const KV* head_base, int kt, auto log2_tag) {
         constexpr int kLog2 = decltype(log2_tag)::value;
-        constexpr int kPageRows = (1 << kLog2) / 8;
+        constexpr int kPageRows = (1 << kLog2) / kKvRowsPerPass;
+        static_assert(kPageRows >= 1, "a page holds a pass of rows");
         const int32_t* tile_pages = table + ((kt * kBlockN) >> kLog2);
 #pragma unroll
         for (int pg = 0; pg < (kBlockN >> kLog2); ++pg) {
-          const int key_first = kt * kBlockN + (pg << kLog2) + ld_row;  // this thread's first row
+          const int key_first = kt * kBlockN + (pg << kLog2) + kv_row;  // this thread's first row
           const int64_t page = key_first < lk ? __ldg(tile_pages + pg) : 0;
-          const T* src = head_base + ((page << kLog2) + ld_row) * slot_stride;
+          const KV* src = head_base + ((page << kLog2) + kv_row) * slot_stride;
 #pragma unroll
           for (int i = 0; i < kPageRows; ++i) {
-            const bool valid = key_first + 8 * i < lk;
-            cp_async_16(dst + dst_row0 + 1024 * (pg * kPageRows + i),
+            const bool valid = key_first + kKvRowsPerPass * i < lk;
+            cp_async_16(dst + dst_row0 + kDstRowStep * (pg * kPageRows + i),
                         valid ? src + i * row_step : head_base, valid);
           }
         }
@@ -352,21 +397,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       // their block-table entries never read). This loop was the producer's bottleneck at ~40
       // instructions a row, and the consumers waited on K (H200 profile): now the source address
       // is computed once per page the rows touch and stepped 8 slots a row between.
-      auto load_tile = [&](uint32_t dst, const T* head_base, int kt) {
-        const int key0 = kt * kBlockN + ld_row;
+      auto load_tile = [&](uint32_t dst, const KV* head_base, int kt) {
+        const int key0 = kt * kBlockN + kv_row;
         if (log2_bs >= 7) {
           // Pages of >= 128 keys: the whole tile is in one page (kt * 128 < lk: the tile exists).
           const int64_t page = __ldg(table + ((kt * kBlockN) >> log2_bs));
-          const T* src = head_base + ((page << log2_bs) + (key0 & block_mask)) * slot_stride;
+          const KV* src = head_base + ((page << log2_bs) + (key0 & block_mask)) * slot_stride;
           if (kt * kBlockN + kBlockN <= lk) {  // every row valid (all but the last tile)
 #pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i)
-              cp_async_16(dst + dst_row0 + 1024 * i, src + i * row_step, true);
+            for (int i = 0; i < kBlockN / kKvRowsPerPass; ++i)
+              cp_async_16(dst + dst_row0 + kDstRowStep * i, src + i * row_step, true);
           } else {
 #pragma unroll
-            for (int i = 0; i < kBlockN / 8; ++i) {
-              const bool valid = key0 + 8 * i < lk;
-              cp_async_16(dst + dst_row0 + 1024 * i, valid ? src + i * row_step : head_base,
+            for (int i = 0; i < kBlockN / kKvRowsPerPass; ++i) {
+              const bool valid = key0 + kKvRowsPerPass * i < lk;
+              cp_async_16(dst + dst_row0 + kDstRowStep * i, valid ? src + i * row_step : head_base,
                           valid);
             }
           }
@@ -377,20 +422,80 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (log2_bs == 5) load_small_pages(dst, head_base, kt, std::integral_constant<int, 5>());
         if (log2_bs == 6) load_small_pages(dst, head_base, kt, std::integral_constant<int, 6>());
       };
-      for (int kt = 0; kt < t.n_tiles; ++kt) {
-        mbar_wait<true>(bar_k_empty + 8 * k_stage, k_parity ^ 1);
-        load_tile(s_k + k_stage * kTileBytes, k_head, kt);
-        cp_async_mbar_arrive(bar_k_full + 8 * k_stage);
+      auto advance_k = [&]() {
         if (++k_stage == kKStages) {
           k_stage = 0;
           k_parity ^= 1;
         }
-        mbar_wait<true>(bar_v_empty + 8 * v_stage, v_parity ^ 1);
-        load_tile(s_v + v_stage * kTileBytes, v_head, kt);
-        cp_async_mbar_arrive(bar_v_full + 8 * v_stage);
+      };
+      auto advance_v = [&]() {
         if (++v_stage == kVStages) {
           v_stage = 0;
           v_parity ^= 1;
+        }
+      };
+      if constexpr (kFp8) {
+        // This thread's staged chunks (its own copies, landed) -> fp16 in the swizzled slot.
+        // Chunk c of a row becomes 16-bit chunks 2c and 2c + 1, in the slot's first half for
+        // c < 4 and its second for c >= 4; the second half's threads store their upper chunk
+        // first, so each quarter-warp's stores (one row) hit 8 distinct 16-byte bank groups.
+        auto widen_tile = [&](uint32_t staged, uint32_t slot) {
+          const bool upper_first = kv_chunk >= 4;
+#pragma unroll 2  // fully unrolled, the loads are hoisted and the producer spills
+          for (int i = 0; i < kBlockN / kKvRowsPerPass; ++i) {
+            const int r = kv_row + kKvRowsPerPass * i;
+            uint4 lo, hi;
+            fp8::e4m3x16_to_half(
+                *reinterpret_cast<const uint4*>(smem + (staged - s_q) + dst_row0 +
+                                                kDstRowStep * i),
+                lo, hi);
+            uint4* at_lo =
+                reinterpret_cast<uint4*>(smem + (slot - s_q) + gmma_offset(r, 2 * kv_chunk, kBlockN));
+            uint4* at_hi = reinterpret_cast<uint4*>(smem + (slot - s_q) +
+                                                    gmma_offset(r, 2 * kv_chunk + 1, kBlockN));
+            if (upper_first) {
+              *at_hi = hi;
+              *at_lo = lo;
+            } else {
+              *at_lo = lo;
+              *at_hi = hi;
+            }
+          }
+        };
+        // Groups in flight, in commit order: {K(0)}, {V(0)}, then per tile kt: {K(kt+1)},
+        // {V(kt+1)} (empty past the last), so "all but the newest group" is always the one due.
+        if (t.n_tiles > 0) {
+          load_tile(s_k8, k_head, 0);
+          cp_async_commit();
+          load_tile(s_v8, v_head, 0);
+          cp_async_commit();
+        }
+        for (int kt = 0; kt < t.n_tiles; ++kt) {
+          cp_async_wait<1>();  // K(kt) landed
+          mbar_wait<true>(bar_k_empty + 8 * k_stage, k_parity ^ 1);
+          widen_tile(s_k8, s_k + k_stage * kTileBytes);
+          mbar_arrive(bar_k_full + 8 * k_stage);
+          advance_k();
+          if (kt + 1 < t.n_tiles) load_tile(s_k8, k_head, kt + 1);
+          cp_async_commit();
+          cp_async_wait<1>();  // V(kt) landed
+          mbar_wait<true>(bar_v_empty + 8 * v_stage, v_parity ^ 1);
+          widen_tile(s_v8, s_v + v_stage * kTileBytes);
+          mbar_arrive(bar_v_full + 8 * v_stage);
+          advance_v();
+          if (kt + 1 < t.n_tiles) load_tile(s_v8, v_head, kt + 1);
+          cp_async_commit();
+        }
+      } else {
+        for (int kt = 0; kt < t.n_tiles; ++kt) {
+          mbar_wait<true>(bar_k_empty + 8 * k_stage, k_parity ^ 1);
+          load_tile(s_k + k_stage * kTileBytes, k_head, kt);
+          cp_async_mbar_arrive(bar_k_full + 8 * k_stage);
+          advance_k();
+          mbar_wait<true>(bar_v_empty + 8 * v_stage, v_parity ^ 1);
+          load_tile(s_v + v_stage * kTileBytes, v_head, kt);
+          cp_async_mbar_arrive(bar_v_full + 8 * v_stage);
+          advance_v();
         }
       }
     }
@@ -400,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---------------------------------- consumers ----------------------------------
-  regs_alloc<kConsumerRegs>();
+  regs_alloc<kConsumerRegs<kFp8>>();
   const int c = wg - 1;             // consumer index: rows 64 c .. 64 c + 63 of the CTA
   const int warp = (tid >> 5) & 3;  // warp within the warpgroup
   const int lane = tid & 31;
@@ -426,14 +531,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint64_t da =
           desc_sw128(q_buf + half_k * (kBlockM * 128) + c * (64 * 128) + col, 16, 1024);
       const uint64_t db = desc_sw128(k_slot + half_k * (kBlockN * 128) + col, 16, 1024);
-      wgmma_m64n128k16_ss<T>(s, da, db, kk > 0 ? 1 : 0);
+      wgmma_m64n128k16_ss<M>(s, da, db, kk > 0 ? 1 : 0);
     }
   };
   // O += P V (8 k-steps over the keys; V read MN-major).
   auto issue_pv = [&](const uint32_t (&p_frag)[kBlockN / 16][4], uint32_t v_slot) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma_m64n128k16_rs<T>(o, p_frag[kk],
+      wgmma_m64n128k16_rs<M>(o, p_frag[kk],
                              desc_sw128(v_slot + kk * (16 * 128), kBlockN * 128, 1024));
   };
   // Masks tile n of the scores if it reaches the diagonal, turns them into P (online softmax,
@@ -446,10 +551,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto pack_p = [&](const float (&s)[64], uint32_t (&p_frag)[kBlockN / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      p_frag[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      p_frag[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      p_frag[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      p_frag[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+      p_frag[kk][0] = pack2<M>(s[8 * kk + 0], s[8 * kk + 1]);
+      p_frag[kk][1] = pack2<M>(s[8 * kk + 2], s[8 * kk + 3]);
+      p_frag[kk][2] = pack2<M>(s[8 * kk + 4], s[8 * kk + 5]);
+      p_frag[kk][3] = pack2<M>(s[8 * kk + 6], s[8 * kk + 7]);
     }
   };
 
@@ -468,6 +573,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(bar_q_full + 8 * b, (j / kQBuffers) & 1);
     const TileInfo tile = info[b];
     if (tile.n_tiles == kEndOfWork) break;
+    if constexpr (kFp8 && !std::is_same_v<T, __half>) {
+      // This consumer's 64 rows of Q (both halves of D) from T to fp16, in place: thread i of the
+      // warpgroup converts chunk i & 15 of rows i / 16 + 8 j. Then the generic writes are made
+      // visible to wgmma (async proxy) and the warpgroup waits for all of them (barrier 3 + c).
+      const int i = tid & 127;
+#pragma unroll
+      for (int jr = 0; jr < 8; ++jr) {
+        uint4* at = reinterpret_cast<uint4*>(
+            smem + (q_buf - s_q) + gmma_offset(c * 64 + (i >> 4) + 8 * jr, i & 15, kBlockM));
+        uint4 v = *at;
+        v.x = fp8::to_half2<T>(v.x);
+        v.y = fp8::to_half2<T>(v.y);
+        v.z = fp8::to_half2<T>(v.z);
+        v.w = fp8::to_half2<T>(v.w);
+        *at = v;
+      }
+      fence_proxy_async();
+      named_bar_sync(3 + c, 128);
+    }
     const int n_tiles = tile.n_tiles;
     n_full = tile.n_full;
 #pragma unroll
@@ -587,6 +711,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float inv[2];
     inverse_row_sums(row_sum, inv);
+    if constexpr (kFp8) {
+      inv[0] *= p.v_scale;
+      inv[1] *= p.v_scale;
+    }
     // The output goes out through this warp's 16 rows of Q buffer b (rows it alone reads: the
     // warpgroup's last S has completed, and the other consumer reads its own 64 rows): each lane
     // writes its 4-byte pairs into the swizzled rows (one bank per lane), then each half-warp
@@ -683,13 +811,13 @@ bool encode_q_map(const PrefillParams& p, int num_tokens, DType dtype, CUtensorM
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, bool kPersistent, bool kTmaQ>
+template <typename T, typename KV, bool kPersistent, bool kTmaQ>
 cudaError_t launch(const PrefillParams& p, const CUtensorMap& q_map, int batch, int max_seqlen_q,
                    cudaStream_t stream) {
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
-  auto kernel = prefill_ws_kernel<T, kPersistent, kTmaQ>;
-  constexpr int kSmemBytes = Buffers<kPersistent>::kSmemBytes;
+  auto kernel = prefill_ws_kernel<T, KV, kPersistent, kTmaQ>;
+  constexpr int kSmemBytes = Buffers<kPersistent, std::is_same_v<KV, uint8_t>>::kSmemBytes;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -717,7 +845,8 @@ bool sm90_available() {
   if (dev >= 0 && dev < 64 && cached[dev] != 0) return cached[dev] == 1;
   cudaFuncAttributes attr;
   bool ok =
-      cudaFuncGetAttributes(&attr, prefill_ws_kernel<__nv_bfloat16, false, false>) == cudaSuccess &&
+      cudaFuncGetAttributes(&attr, prefill_ws_kernel<__nv_bfloat16, __nv_bfloat16, false, false>) ==
+          cudaSuccess &&
       attr.binaryVersion == 90;
   if (!ok) (void)cudaGetLastError();  // clear a "no kernel image" error; we just fall back
   if (dev >= 0 && dev < 64) cached[dev] = ok ? 1 : 2;
@@ -725,16 +854,21 @@ bool sm90_available() {
 }
 
 cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, int max_seqlen_q,
-                           DType dtype, bool persistent, cudaStream_t stream) {
+                           DType dtype, bool fp8_kv, bool persistent, cudaStream_t stream) {
   if (!sm90_available()) return cudaErrorNotSupported;
   CUtensorMap q_map = {};
   const bool tma_q = encode_q_map(p, num_tokens, dtype, &q_map);
-  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+  auto go = [&](auto t_tag, auto kv_tag) {
+    using T = decltype(t_tag);
+    using KV = decltype(kv_tag);
     if (tma_q)
-      return persistent ? launch<T, true, true>(p, q_map, batch, max_seqlen_q, stream)
-                        : launch<T, false, true>(p, q_map, batch, max_seqlen_q, stream);
-    return persistent ? launch<T, true, false>(p, q_map, batch, max_seqlen_q, stream)
-                      : launch<T, false, false>(p, q_map, batch, max_seqlen_q, stream);
+      return persistent ? launch<T, KV, true, true>(p, q_map, batch, max_seqlen_q, stream)
+                        : launch<T, KV, false, true>(p, q_map, batch, max_seqlen_q, stream);
+    return persistent ? launch<T, KV, true, false>(p, q_map, batch, max_seqlen_q, stream)
+                      : launch<T, KV, false, false>(p, q_map, batch, max_seqlen_q, stream);
+  };
+  return QWEN3_DISPATCH_HALF(dtype, T, [&] {
+    return fp8_kv ? go(T{}, uint8_t{}) : go(T{}, T{});
   });
 }
 

@@ -142,12 +142,18 @@ constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // 32 KiB per K or V slot
 // setmaxnreg budgets: the producer needs ~37 registers, a consumer ~190 (O, S and P of a 64 x 128
 // tile live at once: 64 + 64 + 32). 128 * 40 + 256 * 232 = 64512 = 384 threads x 168. An fp8
 // cache's producer also widens tiles (a chunk in, two out): at 40 it spills, at 56 it does not.
+// The budgets must fit what the CTA was launched with (384 threads x the 168 registers
+// __launch_bounds__(384, 1) gives), not the register file: a setmaxnreg.inc beyond it waits
+// forever for registers nobody frees.
+constexpr int kLaunchRegs = 168;
 template <bool kFp8>
 constexpr int kProducerRegs = kFp8 ? 56 : 40;
 template <bool kFp8>
 constexpr int kConsumerRegs = kFp8 ? 224 : 232;
-static_assert(128 * kProducerRegs<false> + 256 * kConsumerRegs<false> <= 65536, "register file");
-static_assert(128 * kProducerRegs<true> + 256 * kConsumerRegs<true> <= 65536, "register file");
+static_assert(128 * kProducerRegs<false> + 256 * kConsumerRegs<false> <= kThreads * kLaunchRegs,
+              "setmaxnreg budgets");
+static_assert(128 * kProducerRegs<true> + 256 * kConsumerRegs<true> <= kThreads * kLaunchRegs,
+              "setmaxnreg budgets");
 
 constexpr int kInfoBytes = 64;                      // one published work tile (TileInfo)
 

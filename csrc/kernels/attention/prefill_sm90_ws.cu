@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // This thread's rows of key tile kt -> dst; keys past the sequence are zero-filled (and
       // their block-table entries never read). This loop was the producer's bottleneck at ~40
       // instructions a row, and the consumers waited on K (H200 profile): now the source address
-      // is computed once per page the rows touch and stepped 8 slots a row between.
+      // is computed once per page the rows touch and stepped kKvRowsPerPass slots a row between.
       auto load_tile = [&](uint32_t dst, const KV* head_base, int kt) {
         const int key0 = kt * kBlockN + kv_row;
         if (log2_bs >= 7) {
@@ -455,10 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                 *reinterpret_cast<const uint4*>(smem + (staged - s_q) + dst_row0 +
                                                 kDstRowStep * i),
                 lo, hi);
-            uint4* at_lo =
-                reinterpret_cast<uint4*>(smem + (slot - s_q) + gmma_offset(r, 2 * kv_chunk, kBlockN));
-            uint4* at_hi = reinterpret_cast<uint4*>(smem + (slot - s_q) +
-                                                    gmma_offset(r, 2 * kv_chunk + 1, kBlockN));
+            uint8_t* base = smem + (slot - s_q);
+            uint4* at_lo = reinterpret_cast<uint4*>(base + gmma_offset(r, 2 * kv_chunk, kBlockN));
+            uint4* at_hi =
+                reinterpret_cast<uint4*>(base + gmma_offset(r, 2 * kv_chunk + 1, kBlockN));
             if (upper_first) {
               *at_hi = hi;
               *at_lo = lo;

@@ -220,7 +220,9 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
       qwen3_kernels::invariant_prefill_order(kv.fp8, static_cast<int>(q.size(1)),
                                              static_cast<int>(k_cache.size(2)),
                                              static_cast<int>(k_cache.size(1)));
-  if (prefill_kernel)
+  if (prefill_kernel) {
+    // the sm_90 kernel's work counter: one int of scratch the launch zeroes on the stream
+    at::Tensor tile_counter = at::empty({1}, q.options().dtype(at::kInt));
     check_launch(qwen3_kernels::paged_attention_prefill(
                    out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                    cu_seqlens_q.data_ptr<int32_t>(), seq_lens_k.data_ptr<int32_t>(),
@@ -228,8 +230,10 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& q, const at::Ten
                    static_cast<int>(b), static_cast<int>(max_seqlen_q), static_cast<int>(q.size(1)),
                    static_cast<int>(k_cache.size(2)), static_cast<int>(q.size(2)),
                    static_cast<int>(k_cache.size(1)), static_cast<int>(block_tables.size(1)),
-                   static_cast<float>(scale), dt, kv, stream()),
+                   static_cast<float>(scale), dt, kv, tile_counter.data_ptr<int32_t>(),
+                   stream()),
                  op);
+  }
   if (batch_invariant && (!prefill_kernel || block_tables.size(1) * k_cache.size(1) >
                                                 qwen3_kernels::kDecodeInvariantSplitKeys))
     prefill_as_decode(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, dt,

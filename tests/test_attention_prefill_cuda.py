@@ -263,6 +263,65 @@ def test_prefill_many_one_key_tile_work_tiles(grid):
     torch.testing.assert_close(run_ours(case), first, rtol=0, atol=0)
 
 
+def _widened(case, keys):
+    """case with its block table widened to `keys` keys a row (the extra entries on the NaN
+    block): the same attention, but the persistent grid sizes its sections of (sequence, kv head)
+    pairs by the table's width (prefill_sm90_ws.cu, list_tile)."""
+    wide = Case.__new__(Case)
+    wide.__dict__.update(case.__dict__)
+    cols = _cdiv(keys, case.bs) - case.block_tables.shape[1]
+    unused = case.block_tables[:, -1:]  # every row ends on an unused (NaN) block
+    wide.block_tables = torch.cat([case.block_tables, unused.expand(-1, cols)], 1).contiguous()
+    return wide
+
+
+@requires_cuda
+@pytest.mark.parametrize("num_seqs", [3, 5, 40])
+def test_prefill_sections_of_pairs(num_seqs):
+    """The persistent grid's list in sections of (sequence, kv head) pairs: a table 2048 keys wide
+    bounds a pair's K and V at 1 MiB (bf16), so a section holds 16 pairs, and 3 / 5 / 40
+    sequences of 8 kv heads make 2 sections, 3 (the last one partial, the middle one's M blocks
+    first to last) and 20. Each work tile's arithmetic does not depend on where the list puts
+    it: the same bits as one section (the table as narrow as the sequences need)."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    seqs = []
+    for _ in range(num_seqs):
+        lq = int(torch.randint(1, 400, (1,), generator=gen))
+        seqs.append((lq, lq + int(torch.randint(0, 2, (1,), generator=gen)) * 300))
+    case = Case(seqs, 32, 8, 16, torch.bfloat16, seed=num_seqs).cuda()
+    narrow = run_ours(case)
+    wide = run_ours(_widened(case, 2048))
+    check_against_reference(case, wide)
+    torch.testing.assert_close(wide, narrow, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_prefill_concurrent_streams():
+    """Two calls in flight at once on two streams, each with more work tiles than SMs: the
+    persistent grid's work counter is each call's own, so neither takes the other's tiles."""
+    gen = torch.Generator().manual_seed(21)
+    cases = []
+    for seed in (22, 23):
+        seqs = [(n, n) for n in torch.randint(100, 900, (48,), generator=gen).tolist()]
+        cases.append(Case(seqs, 32, 8, 64, torch.bfloat16, seed=seed).cuda())
+    alone = [run_ours(c) for c in cases]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in cases]
+    outs = []
+    for _ in range(3):
+        for st in streams:
+            st.wait_stream(torch.cuda.current_stream())
+        for c, st in zip(cases, streams):
+            with torch.cuda.stream(st):
+                outs.append(run_ours(c))
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        torch.testing.assert_close(out, alone[i % 2], rtol=0, atol=0)
+    check_against_reference(cases[0], alone[0])
+
+
 @requires_cuda
 def test_prefill_persistent_in_cuda_graph():
     """The persistent grid (on Hopper) captured and replayed after the inputs change, and on a

@@ -9,7 +9,7 @@ namespace prefill {
 
 bool sm90_available() { return false; }
 
-cudaError_t launch_sm90_ws(const PrefillParams& p, int, int batch, int, DType dtype, bool,
+cudaError_t launch_sm90_ws(const PrefillParams& p, int, int batch, int, DType dtype, bool, bool,
                            cudaStream_t stream) {
   return launch_decode_prefill_order(p, batch, 1 << 30, dtype, stream);
 }

@@ -33,13 +33,14 @@ using qwen3_kernels::prefill::PrefillParams;
   enum class DType;                                                                           \
   namespace prefill {                                                                         \
   struct PrefillParams;                                                                       \
-  cudaError_t launch_sm90_ws(const PrefillParams&, int, int, int, DType, bool, cudaStream_t); \
+  cudaError_t launch_sm90_ws(const PrefillParams&, int, int, int, DType, bool, bool,         \
+                             cudaStream_t);                                                  \
   }                                                                                           \
   }
 #define CALL(NS)                                                                              \
   [](const PrefillParams& p, int tq, int b, int mq, bool pers, cudaStream_t s) {             \
     return NS::prefill::launch_sm90_ws(reinterpret_cast<const NS::prefill::PrefillParams&>(p), \
-                                       tq, b, mq, static_cast<NS::DType>(1), pers, s);       \
+                                       tq, b, mq, static_cast<NS::DType>(1), false, pers, s); \
   }
 #include "variants.h"
 using Launch = cudaError_t (*)(const PrefillParams&, int, int, int, bool, cudaStream_t);
@@ -71,6 +72,26 @@ int main(int argc, char** argv) {
     for (auto& x : l) x = 100 + r() % 925;
     shapes.push_back({"mix24 100..1024", l, l, 32, 8, 256});
   }
+  // more draws of the engine's prefill steps: prompts of mixed lengths, and prompt chunks over
+  // cached prefixes (the persistent order's balance depends on the draw)
+  auto mix = [](unsigned seed, int n, int lo, int hi) {
+    std::mt19937 r(seed);
+    std::vector<int> l(n);
+    for (auto& x : l) x = lo + r() % (hi - lo + 1);
+    return l;
+  };
+  for (unsigned seed : {2u, 3u}) {
+    const std::vector<int> l = mix(seed, 24, 100, 1024);
+    shapes.push_back({"mix24 s" + std::to_string(seed), l, l, 32, 8, 256});
+  }
+  {
+    const std::vector<int> l16 = mix(4, 16, 100, 2048), l48 = mix(5, 48, 64, 512);
+    shapes.push_back({"mix16 100..2048", l16, l16, 32, 8, 256});
+    shapes.push_back({"mix48 64..512", l48, l48, 32, 8, 256});
+    shapes.push_back({"mix16 bs16", l16, l16, 32, 8, 16});
+    std::vector<int> lk = mix(6, 8, 512, 4096);
+    shapes.push_back({"chunks 8 x 512/512..4k", uni(8, 512), lk, 32, 8, 256});
+  }
   shapes.push_back({"prefix 2k/8k", uni(1, 2048), uni(1, 8192), 32, 8, 256});
   shapes.push_back({"prefix 512/16k", uni(1, 512), uni(1, 16384), 32, 8, 256});
   shapes.push_back({"14B 4x1000 40/8", uni(4, 1000), uni(4, 1000), 40, 8, 256});
@@ -90,6 +111,8 @@ int main(int argc, char** argv) {
   }
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
+  int32_t* d_counter;  // the persistent grid's work counter (a variant that has one zeroes it)
+  CK(cudaMalloc(&d_counter, sizeof(int32_t)));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -154,6 +177,7 @@ int main(int argc, char** argv) {
     p.max_blocks = max_blocks;
     p.scale_log2 = 1.4426950408889634f / sqrtf(128.f);
     p.v_scale = 1.f;
+    p.tile_counter = d_counter;
     const bool pers = max_q <= 8192;  // prefill.cu's choice of grid
     for (int vi = 0; vi < kVariants; ++vi) {
       p.out = outs[vi];

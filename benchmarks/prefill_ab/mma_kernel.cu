@@ -9,8 +9,8 @@ namespace prefill {
 
 bool sm90_available() { return false; }  // prefill.cu's entry point then never calls below
 
-cudaError_t launch_sm90_ws(const PrefillParams& p, int, int batch, int max_seqlen_q, DType, bool,
-                           cudaStream_t stream) {
+cudaError_t launch_sm90_ws(const PrefillParams& p, int, int batch, int max_seqlen_q, DType,
+                           bool, bool, cudaStream_t stream) {
   return launch_prefill<__nv_bfloat16, __nv_bfloat16>(p, batch, max_seqlen_q, stream);
 }
 

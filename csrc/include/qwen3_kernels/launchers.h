@@ -99,7 +99,10 @@ cudaError_t paged_attention_decode(void* out,                    // [B, Hq, D]
                                    const int32_t* cta_count = nullptr,  // [cta_groups]
                                    int cta_groups = 0);
 
-// Prefill: varlen causal, queries aligned to the end of each key sequence.
+// Prefill: varlen causal, queries aligned to the end of each key sequence. tile_counter: one int32
+// of device memory the call overwrites (the sm_90 kernel's persistent grid zeroes it on the stream
+// and its CTAs take their work tiles from it); a call that may run concurrently with another on
+// a different stream needs its own.
 cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
                                     const void* q,                // [Tq, Hq, D]
                                     const void* k_cache,          // [num_blocks, block_size, Hkv, D]
@@ -111,6 +114,7 @@ cudaError_t paged_attention_prefill(void* out,                    // [Tq, Hq, D]
                                     int batch, int max_seqlen_q, int num_q_heads,
                                     int num_kv_heads, int head_dim, int block_size,
                                     int max_blocks, float scale, DType dtype, KvCache kv,
+                                    int32_t* tile_counter,        // [1] scratch (see above)
                                     cudaStream_t stream);
 
 // ---- gemm/ ------------------------------------------------------------------------------------

@@ -331,7 +331,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
                                     int num_tokens, int batch, int max_seqlen_q, int num_q_heads,
                                     int num_kv_heads, int head_dim, int block_size,
                                     int max_blocks, float scale, DType dtype, KvCache kv,
-                                    cudaStream_t stream) {
+                                    int32_t* tile_counter, cudaStream_t stream) {
   // head_dim 128 only: ops.py sends other head dims to the reference.
   if (head_dim != kHeadDim) return cudaErrorInvalidValue;
   if (num_kv_heads <= 0 || num_q_heads <= 0 || num_q_heads % num_kv_heads != 0)
@@ -363,6 +363,7 @@ cudaError_t paged_attention_prefill(void* out, const void* q, const void* k_cach
   p.max_blocks = max_blocks;
   p.scale_log2 = scale * kv.k_scale * 1.4426950408889634f;
   p.v_scale = kv.v_scale;
+  p.tile_counter = tile_counter;
   // The one choice of kernel. Where the device runs this binary's sm_90a code (H100/H200): the
   // warp-specialised wgmma kernel (prefill_sm90_ws.cu), persistent up to 8192 query tokens a
   // sequence and one CTA per work tile above. H200 (bench_attention_prefill.py, four runs):

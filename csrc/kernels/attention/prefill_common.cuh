@@ -25,6 +25,8 @@ struct PrefillParams {
   int max_blocks;
   float scale_log2;             // softmax scale * k_scale * log2(e): scores go straight into exp2
   float v_scale;                // the output's factor (1 but for an fp8 cache)
+  int32_t* tile_counter;        // [1] scratch: the sm_90 persistent grid's work counter (the
+                                // launch zeroes it on the stream)
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------

@@ -75,9 +75,10 @@
 //
 // Two grids of the same kernel (launch_sm90_ws; prefill.cu chooses by the longest query length):
 //   one-tile: grid (Hkv, M blocks, B), a list of one work tile per CTA.
-//   persistent: a grid of one CTA per SM, each walking a list of work tiles (kv head, M block,
-//     sequence) in a fixed order (persistent_tile); the next tile's Q lands while the consumers
-//     finish the current one.
+//   persistent: a grid of one CTA per SM over one list of work tiles (list_tile: sections of
+//     (sequence, kv head) pairs, M blocks longest first), each CTA's producer taking the next
+//     tile from a work counter when it is ready for one (several sequences) or its share in a
+//     fixed order (one); the next tile's Q lands while the consumers finish the current one.
 //
 // Measured (H200, scratch harness on branch experiment/prefill-sm90-q-buffers, same inputs,
 // alternating, us; causal Hq/Hkv 32/8 but where noted): the one-Q-buffer K3/V3 kernel -> two Q
@@ -99,6 +100,18 @@
 // (sequence, kv head) pairs in L2-sized sections (hit rate 47% -> 85% at 8 x 2k, 3-13% slower):
 // 0.87-1.03x. Older variants (branch experiment/prefill-sm90-variants): a single-role kernel,
 // 2-stage rings, no ping-pong.
+//
+// The persistent list (list_tile): the work counter and the sections of pairs against the snake
+// over all pairs at once, H100, same call, alternating (bench_attention_prefill.py, us): 8 x 2k
+// 571.9 / 570.6 -> 532.3 / 531.1, 16 x 1k 392.7 / 393.8 -> 325.0 / 322.8, 64 x 256 230.2 / 228.1
+// -> 172.4 / 172.6, 24 x 143..991 236.4 / 234.7 -> 198.0 / 199.5, 8 x 2k over an fp8 cache in
+// pages of 16 865.7 / 874.9 -> 852.0 / 858.1; one sequence (4k, 4k 16/8, prefix chunks, an fp8
+// cache's 4k) as before (it keeps the snake). Lost (benchmarks/prefill_ab, H100): the sections
+// under the snake, 1.03-1.39x on those shapes but 0.88-1.15x over draws of mixed lengths (which
+// CTA draws which lengths is luck); the counter without sections, 0.90x at 16 x 1k and 1.00x at
+// 64 x 256; the counter for one sequence as well, 0.96x at 4k 16/8 and 0.97x on an fp8 cache's
+// 4k (the producer's barrier a tile); sections of 32 MB, 1.16x at 64 x 256 (two sections) where
+// 16 MB gave 1.37x.
 //
 // FP8 cache (KV = uint8_t, e4m3 with per-layer scales; prefill.cu's header has the numerics): the
 // GEMMs run in fp16 (e4m3 -> fp16 is exact). The producer copies each K / V tile's e4m3 bytes
@@ -156,6 +169,11 @@ static_assert(128 * kProducerRegs<true> + 256 * kConsumerRegs<true> <= kThreads 
               "setmaxnreg budgets");
 
 constexpr int kInfoBytes = 64;                      // one published work tile (TileInfo)
+// K / V bytes of the (sequence, kv head) pairs of one section of the persistent order: a third of
+// the H100's 50 MB L2, which the Q and output streams pass through too.
+constexpr int64_t kSectionBytes = int64_t{16} << 20;
+constexpr int kMinSectionPairs = 16;
+constexpr uint32_t kProducerBar = 5;  // named barrier of the producer's 128 threads
 
 // The buffers of each grid: the persistent one double-buffers Q at the cost of a K slot; the
 // one-tile grid has one tile, so one Q buffer and a K ring of 3. An fp8 cache's two staging tiles
@@ -167,9 +185,10 @@ struct Buffers {
   static constexpr int kV = kPersistent && kFp8 ? 2 : 3;        // V ring depth
   static constexpr int kStaging = kFp8 ? 2 * kBlockN * kHeadDim : 0;  // e4m3 K and V tiles
   // 1 KiB alignment slack + Q buffers + the K and V rings + staging + TileInfos + the barriers (a
-  // full and an empty per Q buffer and ring slot, 8 bytes each).
+  // full and an empty per Q buffer and ring slot, 8 bytes each) + the producer's two list
+  // indices (persistent grid).
   static constexpr int kSmemBytes = 1024 + kQ * kQBytes + (kK + kV) * kTileBytes + kStaging +
-                                    kQ * kInfoBytes + 16 * (kQ + kK + kV);
+                                    kQ * kInfoBytes + 16 * (kQ + kK + kV) + 8;
   static_assert(kSmemBytes <= 227 * 1024, "the rings must fit the opt-in shared memory");
 };
 
@@ -189,23 +208,37 @@ struct WorkTile {
   int seq;
 };
 
-// Work tile k of this CTA in the persistent order, or false past the end. The list: M blocks from
-// the last (in a causal prefill the longest key range) to the first, each over all sequences and
-// kv heads; round k of G CTAs takes tiles k G .. k G + G - 1, CTA b the b-th of them on even
-// rounds and the (G-1-b)-th on odd ones (a snake: the CTA with one of the longest tiles of a round
-// gets one of the shortest of the next). A host model of a causal 4k prefill (1,024 tiles of
-// 1..32 key tiles, 132 CTAs) puts the busiest CTA within 1% of the average.
-__device__ __forceinline__ bool persistent_tile(int k, int m_blocks, int kv_heads, int batch,
-                                                WorkTile& w) {
-  const int num_ctas = gridDim.x;
-  const int64_t i = static_cast<int64_t>(k) * num_ctas +
-                    ((k & 1) ? num_ctas - 1 - static_cast<int>(blockIdx.x) : blockIdx.x);
-  const int per_m = kv_heads * batch;
-  if (i >= static_cast<int64_t>(m_blocks) * per_m) return false;
-  const int r = static_cast<int>(i / per_m), rem = static_cast<int>(i % per_m);
-  w.m_block = m_blocks - 1 - r;
-  w.seq = rem / kv_heads;
-  w.kv_head = rem - w.seq * kv_heads;
+// Work tile i of the persistent grid's list, or false past its end. The list: the (sequence, kv
+// head) pairs in sections of section_pairs (the last may be smaller); a section's tiles are its
+// M blocks from the last (in a causal prefill the longest key range) to the first, each over the
+// section's pairs, or from the first to the last in every other section, so that the list ends
+// on its shortest tiles (longest first) and neighbouring sections meet at tiles of one length.
+// Why sections: every M block of a pair reads the pair's keys again, and over all pairs at once
+// those re-reads came back from HBM once the pairs' K / V outgrew the L2 (8 x 2k, 16 x 1k,
+// 64 x 256: 64 MB); a section's K / V stay in it (see kSectionBytes).
+// Who takes which tile (the producer's take below): with several sequences, the CTAs take the
+// list's tiles in order from a counter in global memory (p.tile_counter, zeroed by the launch),
+// each when its producer is ready for another, so a CTA that drew short tiles takes more of them
+// (sequences of mixed lengths give one M block's tiles mixed lengths). One sequence has no
+// counter: round r of the G CTAs takes tiles r G .. r G + G - 1, CTA b the b-th of them on even
+// rounds and the (G-1-b)-th on odd ones (a snake: the CTA with one of the longest tiles of a
+// round gets one of the shortest of the next), and one M block's tiles are of one length; a
+// host model of a causal 4k prefill (1,024 tiles of 1..32 key tiles, 132 CTAs) puts the busiest
+// CTA within 1% of the average.
+__device__ __forceinline__ bool list_tile(int i, int m_blocks, int kv_heads, int batch,
+                                          int section_pairs, WorkTile& w) {
+  const int pairs = kv_heads * batch;
+  if (i >= m_blocks * pairs) return false;  // the launch keeps m_blocks * pairs below 2^31
+  const int section = i / (m_blocks * section_pairs);
+  const int in_section = i - section * (m_blocks * section_pairs);
+  const int first = section * section_pairs;
+  const int n_pairs = min(section_pairs, pairs - first);
+  const int level = in_section / n_pairs;
+  const int pair = first + (in_section - level * n_pairs);
+  const int sections = (pairs + section_pairs - 1) / section_pairs;
+  w.m_block = ((sections - 1 - section) & 1) ? level : m_blocks - 1 - level;
+  w.seq = pair / kv_heads;
+  w.kv_head = pair - w.seq * kv_heads;
   return true;
 }
 
@@ -222,14 +255,15 @@ constexpr int kEndOfWork = -2;
 #endif  // QWEN3_PREFILL_WS
 
 // One-tile grid (Hkv, m_blocks, B): the CTA's list is its one work tile (M blocks in reverse:
-// longest rows first). Persistent (kPersistent): grid (min(tiles, SMs)), tiles from
-// persistent_tile. kTmaQ: thread 0 loads each Q tile with two TMA copies through q_map (see
-// encode_q_map); else all producer threads copy it with cp.async (q_map unused).
+// longest rows first). Persistent (kPersistent): grid (min(tiles, SMs)), tiles from list_tile
+// (section_pairs, and who takes which: see there). kTmaQ: thread 0
+// loads each Q tile with two TMA copies through q_map (see encode_q_map); else all producer
+// threads copy it with cp.async (q_map unused).
 // KV: the cache's element type (T, or uint8_t for e4m3); M: the GEMMs' 16-bit type.
 template <typename T, typename KV, bool kPersistent, bool kTmaQ>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_ws_kernel(const PrefillParams p, const __grid_constant__ CUtensorMap q_map,
-                      int m_blocks, int batch) {
+                      int m_blocks, int batch, int section_pairs) {
 #if defined(QWEN3_PREFILL_WS)
   using namespace sm90;
   constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
@@ -255,6 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar_k_empty = bar_k_full + 8 * kKStages;    //   [kKStages] read by 8 warps
   const uint32_t bar_v_full = bar_k_empty + 8 * kKStages;    //   [kVStages]
   const uint32_t bar_v_empty = bar_v_full + 8 * kVStages;    //   [kVStages] read by 8 warps
+  int* tile_index = reinterpret_cast<int*>(smem + (bar_v_empty + 8 * kVStages - s_q));  // [2]
 
   const int group = p.group;
   const int tid = threadIdx.x;
@@ -311,11 +346,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     int k_stage = 0, v_stage = 0;              // next ring slots, over all work tiles
     uint32_t k_parity = 0, v_parity = 0;       // (tiles through the ring / depth) & 1
     int j = 0;  // tiles published: Q buffer j % kQBuffers
+    // The persistent grid's list index of this CTA's k-th tile (see list_tile). From the counter:
+    // thread 0 takes it one tile ahead of its use (the atomic's round trip overlaps this tile's
+    // copies) and hands it to the other producer threads through shared memory (two slots, so
+    // one barrier a tile suffices). Without one (the snake), every thread computes it.
+    int32_t* const counter = p.tile_counter;
+    int next = kPersistent && counter != nullptr && tid == 0 ? atomicAdd(counter, 1) : 0;
     for (int k = 0;; ++k) {
       WorkTile w;
       bool more;
       if (kPersistent) {
-        more = persistent_tile(k, m_blocks, p.num_kv_heads, batch, w);
+        int i;
+        if (counter != nullptr) {
+          volatile int* slot = tile_index + (k & 1);
+          if (tid == 0) *slot = next;
+          named_bar_sync(kProducerBar, 128);
+          i = *slot;
+        } else {
+          const int g = static_cast<int>(gridDim.x), b = static_cast<int>(blockIdx.x);
+          const int64_t snake = static_cast<int64_t>(k) * g + ((k & 1) ? g - 1 - b : b);
+          i = snake < 0x7fffffff ? static_cast<int>(snake) : 0x7fffffff;  // past the end either way
+        }
+        more = list_tile(i, m_blocks, p.num_kv_heads, batch, section_pairs, w);
+        if (counter != nullptr && tid == 0 && more) next = atomicAdd(counter, 1);
       } else {
         more = k == 0;
         w = WorkTile{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.y - 1 - blockIdx.y),
@@ -828,15 +881,33 @@ cudaError_t launch(const PrefillParams& p, const CUtensorMap& q_map, int batch, 
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   dim3 grid(p.num_kv_heads, (unsigned)m_blocks, batch);
+  PrefillParams lp = p;
+  int section_pairs = 1;
   if (kPersistent) {
-    const int64_t tiles = m_blocks * p.num_kv_heads * batch;
+    const int64_t pairs = int64_t{p.num_kv_heads} * batch;
+    const int64_t tiles = m_blocks * pairs;
     if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidConfiguration;
     const int sms = num_sms();
     if (sms <= 0) return cudaErrorInvalidDevice;
     grid = dim3((unsigned)(tiles < sms ? tiles : sms));
     if (tiles == 0) return cudaSuccess;
+    // The work counter (list_tile), for several sequences with more tiles than CTAs.
+    if (batch > 1 && tiles > sms) {
+      if (p.tile_counter == nullptr) return cudaErrorInvalidValue;
+      err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
+      if (err != cudaSuccess) return err;
+    } else {
+      lp.tile_counter = nullptr;
+    }
+    // Pairs a section (list_tile): as many as kSectionBytes of K and V hold at the longest
+    // key range the block table allows; one section (all pairs) where fewer than
+    // kMinSectionPairs would fit.
+    const int64_t pair_bytes =
+        (int64_t{p.max_blocks} << p.block_size_log2) * kHeadDim * int64_t{sizeof(KV)} * 2;
+    const int64_t fit = kSectionBytes / (pair_bytes > 0 ? pair_bytes : 1);
+    section_pairs = static_cast<int>(fit < kMinSectionPairs || fit >= pairs ? pairs : fit);
   }
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, q_map, (int)m_blocks, batch);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs);
   return cudaGetLastError();
 }
 

@@ -98,6 +98,16 @@ int main(int argc, char** argv) {
     shapes.push_back({std::string("B=16 ctx=2048") + kv, uni(16, 2048), 32, 8, 16, fp8});
     shapes.push_back({std::string("B=1 ctx=32768") + kv, uni(1, 32768), 32, 8, 16, fp8});
     shapes.push_back({std::string("B=176 ctx=100..2047") + kv, mix, 32, 8, 16, fp8});
+    // the same lengths, longest first: the batch's rows in the order the CTAs are dispatched
+    std::vector<int> desc = mix;
+    std::sort(desc.begin(), desc.end(), [](int x, int y) { return x > y; });
+    shapes.push_back({std::string("B=176 longest first") + kv, desc, 32, 8, 16, fp8});
+    std::vector<int> mix256(256);
+    for (int& l : mix256) l = 100 + static_cast<int>(rng() % 1948);
+    std::vector<int> desc256 = mix256;
+    std::sort(desc256.begin(), desc256.end(), [](int x, int y) { return x > y; });
+    shapes.push_back({std::string("B=256 ctx=100..2047") + kv, mix256, 32, 8, 16, fp8});
+    shapes.push_back({std::string("B=256 longest first") + kv, desc256, 32, 8, 16, fp8});
     shapes.push_back({std::string("B=1 ctx=512") + kv, uni(1, 512), 32, 8, 16, fp8});
     shapes.push_back({std::string("B=1 ctx=1024") + kv, uni(1, 1024), 32, 8, 16, fp8});
     shapes.push_back({std::string("inv B=176 ctx=100..2047") + kv, mix, 32, 8, 16, fp8, true});

@@ -216,15 +216,15 @@ struct WorkTile {
 // Why sections: every M block of a pair reads the pair's keys again, and over all pairs at once
 // those re-reads came back from HBM once the pairs' K / V outgrew the L2 (8 x 2k, 16 x 1k,
 // 64 x 256: 64 MB); a section's K / V stay in it (see kSectionBytes).
-// Who takes which tile (the producer's take below): with several sequences, the CTAs take the
+// Who takes which tile (the producer's loop below): with several sequences, the CTAs take the
 // list's tiles in order from a counter in global memory (p.tile_counter, zeroed by the launch),
 // each when its producer is ready for another, so a CTA that drew short tiles takes more of them
-// (sequences of mixed lengths give one M block's tiles mixed lengths). One sequence has no
-// counter: round r of the G CTAs takes tiles r G .. r G + G - 1, CTA b the b-th of them on even
-// rounds and the (G-1-b)-th on odd ones (a snake: the CTA with one of the longest tiles of a
-// round gets one of the shortest of the next), and one M block's tiles are of one length; a
-// host model of a causal 4k prefill (1,024 tiles of 1..32 key tiles, 132 CTAs) puts the busiest
-// CTA within 1% of the average.
+// (sequences of mixed lengths give one M block's tiles mixed lengths). One sequence, or no more
+// tiles than CTAs, has no counter: round r of the G CTAs takes tiles r G .. r G + G - 1, CTA b
+// the b-th of them on even rounds and the (G-1-b)-th on odd ones (a snake: the CTA with one of
+// the longest tiles of a round gets one of the shortest of the next), and one M block's tiles are
+// of one length; a host model of a causal 4k prefill (1,024 tiles of 1..32 key tiles, 132 CTAs)
+// puts the busiest CTA within 1% of the average.
 __device__ __forceinline__ bool list_tile(int i, int m_blocks, int kv_heads, int batch,
                                           int section_pairs, WorkTile& w) {
   const int pairs = kv_heads * batch;

@@ -11,6 +11,8 @@
 //                                            # benchmarks/prefill_ab/build (git ignores it)
 // prefill.cu's mma.sync kernel joins as a variant too: mma:benchmarks/prefill_ab/mma_kernel.cu, and
 // the deterministic mode's decode (decode shapes only): dpo:benchmarks/prefill_ab/decode_kernel.cu.
+// Where a variant's time goes: mkprof.py writes a clock64-instrumented copy of a kernel file (a
+// variant like any other; it prints cycles a work tile per phase and shape, see its header).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

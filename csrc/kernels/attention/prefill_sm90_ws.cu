@@ -112,6 +112,16 @@
 // 64 x 256; the counter for one sequence as well, 0.96x at 4k 16/8 and 0.97x on an fp8 cache's
 // 4k (the producer's barrier a tile); sections of 32 MB, 1.16x at 64 x 256 (two sections) where
 // 16 MB gave 1.37x.
+// Where a short work tile's time goes (benchmarks/prefill_ab/mkprof.py, clock64 stamps, H100; the
+// profiled build runs 5-25% slower): at 64 x 256 a consumer warpgroup spends ~12.4k cycles a work
+// tile (1.5 key tiles), of which the epilogue ~4.4k (staging, stores, fence and release), the
+// softmax of tile 0 ~1.5k, S(0) ~0.7k, the last P V ~1.0k, and the waits for Q and K(0) only
+// ~1.2k; at 16 x 1k the epilogue is ~3.2k of ~21k. The producer is rarely what the consumers wait
+// for, and three variants aimed at it lost (prefill_ab, H100, against this kernel, same call):
+// thread 0 prefetching (L1) the next tile's sequence bounds and block-table row from the
+// counter's index, 0.95-0.99x with several sequences (1.00-1.025x with one); three Q buffers with
+// a V ring of two (the producer two tiles ahead), 1.017x at 64 x 256 but 0.77-0.98x on every
+// other shape; a tile's K(0) copied before its Q buffer wait, 0.87-1.00x.
 //
 // FP8 cache (KV = uint8_t, e4m3 with per-layer scales; prefill.cu's header has the numerics): the
 // GEMMs run in fp16 (e4m3 -> fp16 is exact). The producer copies each K / V tile's e4m3 bytes

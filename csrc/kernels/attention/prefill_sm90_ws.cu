@@ -116,7 +116,8 @@
 // profiled build runs 5-25% slower): at 64 x 256 a consumer warpgroup spends ~12.4k cycles a work
 // tile (1.5 key tiles), of which the epilogue ~4.4k (staging, stores, fence and release), the
 // softmax of tile 0 ~1.5k, S(0) ~0.7k, the last P V ~1.0k, and the waits for Q and K(0) only
-// ~1.2k; at 16 x 1k the epilogue is ~3.2k of ~21k. The producer is rarely what the consumers wait
+// ~1.2k; at 16 x 1k the epilogue is ~3.2k of ~21k (an upper bound: the profiler's own atomics may
+// be in flight at the epilogue's fence). The producer is rarely what the consumers wait
 // for, and three variants aimed at it lost (prefill_ab, H100, against this kernel, same call):
 // thread 0 prefetching (L1) the next tile's sequence bounds and block-table row from the
 // counter's index, 0.95-0.99x with several sequences (1.00-1.025x with one); three Q buffers with

@@ -251,6 +251,17 @@ def test_prefill_many_work_tiles(block_size, grid):
 
 
 @requires_cuda
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 1), (32, 1)])  # group sizes 4, 16, 32
+def test_prefill_output_rows(hq, hkv, grid):
+    """The epilogue finds each output row's token and head by stepping from the lane's first row
+    (one division a lane): groups from 4 to 32, lengths across every 16-row boundary of a warp,
+    with and without a prefix, many tiles a CTA."""
+    seqs = [(n, n + (7 * n) % 50) for n in range(1, 41)] + [(300, 300), (129, 600), (16, 16)]
+    case = Case(seqs, hq, hkv, 16, torch.bfloat16, seed=hq * 10 + hkv).cuda()
+    check_against_reference(case, run_ours(case))
+
+
+@requires_cuda
 def test_prefill_many_one_key_tile_work_tiles(grid):
     """Hundreds of short sequences: every work tile has one or two key tiles, so the producer
     publishes tiles into the two Q buffers faster than the consumers finish them, and each

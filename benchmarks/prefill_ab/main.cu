@@ -9,6 +9,7 @@
 //     tree:csrc/kernels/attention/prefill_sm90_ws.cu
 //   benchmarks/prefill_ab/build/ab [rounds]  # on the GPU: the device call carries
 //                                            # benchmarks/prefill_ab/build (git ignores it)
+//   AB_SHAPES=bs,14B benchmarks/prefill_ab/build/ab  # only the shapes whose name holds a fragment
 // prefill.cu's mma.sync kernel joins as a variant too: mma:benchmarks/prefill_ab/mma_kernel.cu, and
 // the deterministic mode's decode (decode shapes only): dpo:benchmarks/prefill_ab/decode_kernel.cu.
 // Where a variant's time goes: mkprof.py writes a clock64-instrumented copy of a kernel file (a
@@ -68,6 +69,12 @@ int main(int argc, char** argv) {
   shapes.push_back({"64x256", uni(64, 256), uni(64, 256), 32, 8, 256});
   shapes.push_back({"4k bs16", uni(1, 4096), uni(1, 4096), 32, 8, 16});
   shapes.push_back({"8x2k bs16", uni(8, 2048), uni(8, 2048), 32, 8, 16});
+  // the cache's other page sizes (the producer's gathers take longer the smaller the page)
+  for (int bs : {32, 64, 128}) {
+    shapes.push_back({"4k bs" + std::to_string(bs), uni(1, 4096), uni(1, 4096), 32, 8, bs});
+    shapes.push_back({"16x1k bs" + std::to_string(bs), uni(16, 1024), uni(16, 1024), 32, 8, bs});
+  }
+  shapes.push_back({"16x1k bs16", uni(16, 1024), uni(16, 1024), 32, 8, 16});
   {
     std::mt19937 r(1);
     std::vector<int> l(24);
@@ -121,7 +128,20 @@ int main(int argc, char** argv) {
   printf("variants:");
   for (int v = 0; v < kVariants; ++v) printf(" %s", kNames[v]);
   printf("\n");
+  // AB_SHAPES: a comma-separated list of name fragments; only shapes whose name holds one run
+  const char* only = getenv("AB_SHAPES");
+  auto wanted = [&](const std::string& name) {
+    if (only == nullptr || *only == 0) return true;
+    std::string list = only;
+    for (size_t at = 0; at <= list.size();) {
+      const size_t end = std::min(list.find(',', at), list.size());
+      if (end > at && name.find(list.substr(at, end - at)) != std::string::npos) return true;
+      at = end + 1;
+    }
+    return false;
+  };
   for (const Shape& sh : shapes) {
+    if (!wanted(sh.name)) continue;
     const int B = sh.lq.size();
     std::vector<int> cu(B + 1, 0);
     int max_q = 0, max_blocks = 0, total_blocks = 0;

@@ -44,7 +44,8 @@
 //     wait for the next Q buffer, read its TileInfo (end marker: done), then iteration n issues
 //     S(n) = Q K(n)^T and P(n-1) V(n-1), waits for S(n) only and runs the softmax of tile n while
 //     P V runs (intra-warpgroup overlap); the output goes out through the warp's rows of the
-//     finished Q buffer (16-byte stores of whole rows), which then returns to the producer.
+//     finished Q buffer: read back into registers, the buffer returned to the producer, then
+//     16-byte stores of whole rows.
 //   Ping-pong: the two consumers take turns issuing their GEMMs (named barriers 1 and 2), so one
 //     warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
 // Why two Q buffers and the producer's TileInfo: with one Q buffer the producer could load the
@@ -123,6 +124,17 @@
 // counter's index, 0.95-0.99x with several sequences (1.00-1.025x with one); three Q buffers with
 // a V ring of two (the producer two tiles ahead), 1.017x at 64 x 256 but 0.77-0.98x on every
 // other shape; a tile's K(0) copied before its Q buffer wait, 0.87-1.00x.
+// The epilogue, then (prefill_ab, H100, 3 rounds, same call, against the kernel before): its
+// staged rows read back in one batch and the Q buffer released before the global stores, which
+// step each row's token and head instead of dividing (see there): 64 x 256 1.070x, 16 x 1k
+// 1.053x, mixes of 24 x 100..1024 1.042-1.048x, 48 x 64..512 1.068x, 8 x 2k 1.028x, prefix
+// 2k / 8k 1.014x, 4k 1.013x, pages of 16 1.002-1.013x, the one-tile grid's 16k and prefix
+// 512 / 16k 1.00x (the same bits everywhere). Without the stores at all (a bound, wrong output)
+// 64 x 256 would gain another 1.2x. TMA stores of a warp's 16 rows (the Q load's box on the
+// output) with the buffer released after the next tile's first GEMM gained more on pages of 256
+// (64 x 256 1.121x, 16 x 1k 1.095x, mixes 1.05-1.12x, 8 x 2k 1.049x, 4k 1.028x) but lost on
+// pages of 16 (0.957-0.982x) and on the one-tile grid (~0.98x), and the kernel spilled: branch
+// experiment/prefill-tma-store.
 //
 // FP8 cache (KV = uint8_t, e4m3 with per-layer scales; prefill.cu's header has the numerics): the
 // GEMMs run in fp16 (e4m3 -> fp16 is exact). The producer copies each K / V tile's e4m3 bytes
@@ -803,25 +815,40 @@ __global__ void __launch_bounds__(kThreads, 1)
             pack2<T>(o[4 * jj + 2 * h] * inv[h], o[4 * jj + 2 * h + 1] * inv[h]);
     }
     __syncwarp();
-    T* out = static_cast<T*>(p.out);
     const int chunk = lane & 15;
+    uint4 staged[8];  // this lane's 16 bytes of rows row_base + 2 i + (lane >> 4)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = row_base + 2 * i + (lane >> 4);
-      const int pr = tile.row0 + r;
-      const uint4 v =
-          *reinterpret_cast<const uint4*>(smem + (q_buf - s_q) + gmma_offset(r, chunk, kBlockM));
-      if (pr < tile.rows)
-        *reinterpret_cast<uint4*>(
-            out + packed_row_offset(p, tile.q_start, tile.kv_head, group, pr) + chunk * 8) = v;
-    }
+    for (int i = 0; i < 8; ++i)
+      staged[i] = *reinterpret_cast<const uint4*>(
+          smem + (q_buf - s_q) + gmma_offset(row_base + 2 * i + (lane >> 4), chunk, kBlockM));
     // This warp is done with Q buffer b: the producer may load a later tile's Q into it (by TMA:
     // the async proxy, hence the fence after these generic accesses). The warp's lanes have all
     // passed their Q wait (else, with the next two phases of the buffer complete, a lane still
-    // polling this one's parity would wait for a third).
+    // polling this one's parity would wait for a third). The global stores come after the
+    // release, from registers: behind the fence they held the buffer (and the next tile's Q) back.
     fence_proxy_async();
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
+    // Packed row pr is query token pr / group, head kv_head * group + pr % group: one division for
+    // the lane's first row, then the quotient and remainder stepped by the 2 rows between stores
+    // (a division a row was ~30 instructions and serialised each store behind its shared load).
+    T* out = static_cast<T*>(p.out) + (int64_t)tile.q_start * p.num_q_heads * kHeadDim +
+             (int64_t)tile.kv_head * group * kHeadDim + chunk * 8;
+    int pr = tile.row0 + row_base + (lane >> 4);
+    int token = pr / group;
+    int within = pr - token * group;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (pr < tile.rows)
+        *reinterpret_cast<uint4*>(out + ((int64_t)token * p.num_q_heads + within) * kHeadDim) =
+            staged[i];
+      pr += 2;
+      within += 2;
+      while (within >= group) {  // at most twice: group >= 1
+        within -= group;
+        ++token;
+      }
+    }
   }
   // Consumer 0's empty last turn: it consumes consumer 1's grant after its last turn.
   if (c == 0) named_bar_sync(1, 256);

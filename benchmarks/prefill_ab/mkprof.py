@@ -3,7 +3,8 @@
 # (batch, longest query, page size, group, fp8 cache, grid), cycles a work tile per phase:
 #   consumer warpgroup: Q wait, its first turn, K(0) wait, S(0), the softmax of tile 0, each later
 #     step (turn, V wait, retiring P V, K wait, S + softmax), the last P V, the epilogue (staging
-#     into the Q buffer, the global stores, the proxy fence and the buffer's release);
+#     into the Q buffer, reading it back with the proxy fence and the buffer's release, the
+#     global stores);
 #   producer (thread 0): the list index, the tile's metadata, the Q buffer wait, the K / V slot
 #     waits and copies.
 # Sums of clock64 differences of one thread per warpgroup, added with global atomics: timing only
@@ -160,10 +161,19 @@ rep('''    float inv[2];
     float inv[2];
     inverse_row_sums(row_sum, inv);
 ''')
-rep('''    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
+rep('''        ++token;
+      }
+    }
   }
-''', '''    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
-    if (prof) { PROF_ADD(15, clock64() - ep0); PROF_ADD(17, clock64() - ct0); }
+''', '''        ++token;
+      }
+    }
+    long long q3 = clock64();
+    if (prof) {
+      PROF_ADD(15, q3 - ep0);
+      PROF_ADD(17, q3 - ct0);
+      PROF_ADD(19, q3 - q2);
+    }
   }
   if (prof) PROF_ADD(16, clock64() - c_start);
 ''')
@@ -187,7 +197,7 @@ rep('''  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks
     const double pt = h[20] ? (double)h[20] : 1, kt = h[29] ? (double)h[29] : 1;
     printf("PROF %s grid %u: consumer wg-tiles %llu steps/tile %.2f | per tile: total %.0f waitQ %.0f "
            "turn0 %.0f waitK0 %.0f S0 %.0f sm0 %.0f | steps (per step): turn %.0f waitV %.0f retire %.0f waitK %.0f "
-           "issue+S+sm %.0f | last: waitV %.0f pv %.0f | epi %.0f (stage %.0f stores %.0f fence+release %.0f) | wg-life %.0f per tile\\n",
+           "issue+S+sm %.0f | last: waitV %.0f pv %.0f | epi %.0f (stage %.0f stores %.0f read+fence+release %.0f) | wg-life %.0f per tile\\n",
            keybuf, grid.x, h[0], h[6] / ct, h[17] / ct, h[1] / ct, h[2] / ct, h[3] / ct, h[4] / ct,
            h[5] / ct, h[7] / st, h[8] / st, h[9] / st, h[10] / st, h[11] / st, h[13] / ct,
            h[14] / ct, h[15] / ct, h[18] / ct, h[19] / ct, h[30] / ct, h[16] / ct);
@@ -200,23 +210,17 @@ rep('''  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks
 ''')
 rep('#include <mutex>\n', '#include <mutex>\n#include <map>\n#include <string>\n#include <cstdio>\n')
 
-# the epilogue in three parts: staging into the Q buffer, the stores, the proxy fence + release
+# the epilogue in three parts: staging into the Q buffer, reading it back + the proxy fence +
+# the release, the global stores
 rep('''    __syncwarp();
-    T* out = static_cast<T*>(p.out);
     const int chunk = lane & 15;
-''', '''    __syncwarp();
+    uint4 staged[8];''', '''    __syncwarp();
     long long q0 = clock64();
-    T* out = static_cast<T*>(p.out);
     const int chunk = lane & 15;
-''')
-rep('''    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
-''', '''    long long q1 = clock64();
-    fence_proxy_async();
-    __syncwarp();
+    uint4 staged[8];''')
+rep('''    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
+    // Packed row pr''', '''    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
     long long q2 = clock64();
-    if (prof) { PROF_ADD(18, q0 - ep0); PROF_ADD(19, q1 - q0); PROF_ADD(30, q2 - q1); }
-    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
-''')
+    if (prof) { PROF_ADD(18, q0 - ep0); PROF_ADD(30, q2 - q0); }
+    // Packed row pr''')
 open(sys.argv[2], 'w').write(src)

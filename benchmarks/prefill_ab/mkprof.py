@@ -4,7 +4,7 @@
 #   consumer warpgroup: Q wait, its first turn, K(0) wait, S(0), the softmax of tile 0, each later
 #     step (turn, V wait, retiring P V, K wait, S + softmax), the last P V, the epilogue (staging
 #     into the Q buffer, reading it back with the proxy fence and the buffer's release, the
-#     global stores);
+#     global stores; where TMA stores the tile, all of it counts as staging);
 #   producer (thread 0): the list index, the tile's metadata, the Q buffer wait, the K / V slot
 #     waits and copies.
 # Sums of clock64 differences of one thread per warpgroup, added with global atomics: timing only
@@ -82,14 +82,14 @@ rep('''    if (n_tiles > 0) {
       issue_s(s, q_buf, s_k + k_stage * kTileBytes);
       wgmma_commit();
       named_bar_arrive(other_turn, 256);
+      release_previous(j);
       wgmma_wait<0>();
       fence_regs(s);
       if (lane == 0) mbar_arrive(bar_k_empty + 8 * k_stage);  // this warp is done with K(0)
       softmax(s, 0, alpha);
       pack_p(s, p_buf[0]);
       advance_k();
-    }
-''', '''    if (n_tiles > 0) {
+    }''', '''    if (n_tiles > 0) {
       long long b0 = clock64();
       named_bar_sync(my_turn, 256);
       long long b1 = clock64();
@@ -101,6 +101,7 @@ rep('''    if (n_tiles > 0) {
       issue_s(s, q_buf, s_k + k_stage * kTileBytes);
       wgmma_commit();
       named_bar_arrive(other_turn, 256);
+      release_previous(j);
       wgmma_wait<0>();
       fence_regs(s);
       long long b3 = clock64();
@@ -111,8 +112,7 @@ rep('''    if (n_tiles > 0) {
       long long b4 = clock64();
       if (prof) { PROF_ADD(0, 1); PROF_ADD(2, b1 - b0); PROF_ADD(3, b2 - b1); PROF_ADD(4, b3 - b2); PROF_ADD(5, b4 - b3); }
       advance_k();
-    }
-''')
+    }''')
 rep('''      named_bar_sync(my_turn, 256);
       mbar_wait(bar_v_full + 8 * v_stage, v_parity);  // issued before K(n): usually landed
       retire_pv();
@@ -178,7 +178,8 @@ rep('''        ++token;
   if (prof) PROF_ADD(16, clock64() - c_start);
 ''')
 # host side: reset before, print after (third launch of each shape)
-rep('''  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs);
+rep('''  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs,
+                                                 out_map);
   return cudaGetLastError();
 ''', '''  static std::map<std::string, int> seen;
   char keybuf[128];
@@ -188,7 +189,8 @@ rep('''  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks
   void* prof_ptr = nullptr;
   cudaGetSymbolAddress(&prof_ptr, g_prof);
   if (n_seen == 3) cudaMemsetAsync(prof_ptr, 0, sizeof(unsigned long long) * 64, stream);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs,
+                                                 out_map);
   if (n_seen == 3) {
     unsigned long long h[64];
     cudaStreamSynchronize(stream);
@@ -212,15 +214,22 @@ rep('#include <mutex>\n', '#include <mutex>\n#include <map>\n#include <string>\n
 
 # the epilogue in three parts: staging into the Q buffer, reading it back + the proxy fence +
 # the release, the global stores
-rep('''    __syncwarp();
-    const int chunk = lane & 15;
-    uint4 staged[8];''', '''    __syncwarp();
-    long long q0 = clock64();
+rep('''    const int chunk = lane & 15;
+    uint4 staged[8];''', '''    long long q0 = clock64();
     const int chunk = lane & 15;
     uint4 staged[8];''')
-rep('''    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
+rep('''    if (!kTmaOut && lane == 0) mbar_arrive(bar_q_empty + 8 * b);
     // Packed row pr''', '''    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
     long long q2 = clock64();
     if (prof) { PROF_ADD(18, q0 - ep0); PROF_ADD(30, q2 - q0); }
     // Packed row pr''')
+# kTmaOut's stores (lane 0 issues them; the buffer goes back at the next tile): the whole epilogue
+# counted as staging
+rep('''          bulk_commit_group();
+        }
+        continue;''', '''          bulk_commit_group();
+        }
+        const long long qt = clock64();
+        if (prof) { PROF_ADD(15, qt - ep0); PROF_ADD(17, qt - ct0); PROF_ADD(18, qt - ep0); }
+        continue;''')
 open(sys.argv[2], 'w').write(src)

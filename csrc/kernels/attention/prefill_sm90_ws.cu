@@ -30,11 +30,11 @@
 //     (reading the sequence bounds from global memory). For each non-empty tile it publishes the
 //     tile (a TileInfo in shared memory) and its Q in the next Q buffer (round robin), then
 //     copies K(0), V(0), K(1), ... into the rings, then the next tile; past the last it publishes
-//     an end marker. Q: two TMA copies issued by thread 0 (a box per half of D; encode_q_map), or
-//     where a box cannot hold an M block (group not a power of two: Qwen3-14B's 40 / 8) 16-byte
-//     cp.async by all 128 threads. K / V: always cp.async (each key row's address goes through
-//     the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async also
-//     zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
+//     an end marker. Q: two TMA copies issued by thread 0 (a box per half of D; encode_rows_map),
+//     or where a box cannot hold an M block (group not a power of two: Qwen3-14B's 40 / 8)
+//     16-byte cp.async by all 128 threads. K / V: always cp.async (each key row's address goes
+//     through the block table, so TMA's fixed-stride boxes do not fit a paged cache; cp.async
+//     also zero-fills keys past the sequence, which keeps a stale NaN slot out of P V). A thread
 //     signals "full" with cp.async.mbarrier.arrive.noinc: a ring slot's barrier (count 128)
 //     completes when every producer thread's copies have landed. A Q buffer's barrier completes on
 //     thread 0's arrive, made after it wrote the TileInfo (release), with the TMA copies' bytes
@@ -133,8 +133,14 @@
 // 64 x 256 would gain another 1.2x. TMA stores of a warp's 16 rows (the Q load's box on the
 // output) with the buffer released after the next tile's first GEMM gained more on pages of 256
 // (64 x 256 1.121x, 16 x 1k 1.095x, mixes 1.05-1.12x, 8 x 2k 1.049x, 4k 1.028x) but lost on
-// pages of 16 (0.957-0.982x) and on the one-tile grid (~0.98x), and the kernel spilled: branch
-// experiment/prefill-tma-store. Short tiles are partly memory-bound: 64 x 256 (causal 32/8)
+// pages of 16 (0.957-0.982x), on the one-tile grid (~0.98x) and on a prefix chunk of 512
+// queries against 16k keys (0.984-0.988x), and the kernel spilled. So TMA stores only where they
+// gained: the persistent grid over a 16-bit cache in pages of 256, at 2048 query tokens or more
+// (kTmaOut; its two instances spill 28 bytes, and every other launch compiles to the plain
+// epilogue's SASS). Against the plain epilogue (prefill_ab, H100, 3 rounds, bit-identical
+// output): 64 x 256 1.030x, 16 x 1k 1.029x, mixes of 64..2048 1.013-1.037x, prefix 2k / 8k
+// 1.020x, 4k 1.011x. Pages of 32..128 keep the plain stores (TMA there unmeasured).
+// Short tiles are partly memory-bound: 64 x 256 (causal 32/8)
 // moves Q 134 MB, K and V 67 MB and the output 134 MB, 335 MB that take ~110 us at the H100's
 // ~3 TB/s of practical bandwidth, more than its ~80 us of tensor-core work (1.5 key tiles a
 // 128-row tile, dense); cuDNN's ~131 us keeps the memory ~85% busy, this kernel's ~158 us ~70%
@@ -284,13 +290,16 @@ constexpr int kEndOfWork = -2;
 // One-tile grid (Hkv, m_blocks, B): the CTA's list is its one work tile (M blocks in reverse:
 // longest rows first). Persistent (kPersistent): grid (min(tiles, SMs)), tiles from list_tile
 // (section_pairs, and who takes which: see there). kTmaQ: thread 0
-// loads each Q tile with two TMA copies through q_map (see encode_q_map); else all producer
-// threads copy it with cp.async (q_map unused).
+// loads each Q tile with two TMA copies through q_map (see encode_rows_map); else all producer
+// threads copy it with cp.async (q_map unused). kTmaOut (persistent grid, two Q buffers): a
+// warp stores its 16 output rows with two TMA copies through out_map where they all lie in the
+// sequence (see the epilogue); else out_map is unused.
 // KV: the cache's element type (T, or uint8_t for e4m3); M: the GEMMs' 16-bit type.
-template <typename T, typename KV, bool kPersistent, bool kTmaQ>
+template <typename T, typename KV, bool kPersistent, bool kTmaQ, bool kTmaOut>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_ws_kernel(const PrefillParams p, const __grid_constant__ CUtensorMap q_map,
-                      int m_blocks, int batch, int section_pairs) {
+                      int m_blocks, int batch, int section_pairs,
+                      const __grid_constant__ CUtensorMap out_map) {
 #if defined(QWEN3_PREFILL_WS)
   using namespace sm90;
   constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
@@ -652,6 +661,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // k_parity, the next V tile (V(n - 1) during step n) in v_stage / v_parity.
   int k_stage = 0, v_stage = 0;
   uint32_t k_parity = 0, v_parity = 0;
+  // kTmaOut: tile j - 1's Q buffer, which held its output on the way out, goes back to the
+  // producer once tile j's first GEMM is issued (lane 0 waits for the output's TMA store, if
+  // any, to have read it).
+  auto release_previous = [&](int j) {
+    if (kTmaOut && j > 0 && lane == 0) {
+      bulk_wait_group_read<0>();
+      mbar_arrive(bar_q_empty + 8 * ((j - 1) % kQBuffers));
+    }
+  };
   for (int j = 0;; ++j) {
     // Every thread waits for the tile's Q and TileInfo itself.
     const int b = j % kQBuffers;
@@ -716,12 +734,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_s(s, q_buf, s_k + k_stage * kTileBytes);
       wgmma_commit();
       named_bar_arrive(other_turn, 256);
+      release_previous(j);
       wgmma_wait<0>();
       fence_regs(s);
       if (lane == 0) mbar_arrive(bar_k_empty + 8 * k_stage);  // this warp is done with K(0)
       softmax(s, 0, alpha);
       pack_p(s, p_buf[0]);
       advance_k();
+    } else {
+      release_previous(j);
     }
 
     // Iteration n waits for P(n-2) V(n-2) and rescales o by tile n-1's alpha, issues
@@ -819,6 +840,26 @@ __global__ void __launch_bounds__(kThreads, 1)
             pack2<T>(o[4 * jj + 2 * h] * inv[h], o[4 * jj + 2 * h + 1] * inv[h]);
     }
     __syncwarp();
+    if constexpr (kTmaOut) {
+      // The tile's fields again from shared memory (its slot stays until the buffer goes back).
+      const TileInfo ot = info[b];
+      const int warp_row0 = ot.row0 + row_base;  // packed row of this warp's first row
+      if (warp_row0 + 16 <= ot.rows) {
+        // All 16 rows in the sequence: lane 0 stores them with a TMA copy a half of D (the box
+        // of encode_rows_map: 16 / group tokens x group heads), the async proxy reading the
+        // staged rows after every lane's fence; the buffer goes back at the next tile.
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            tma_store_3d(&out_map, half * 64, ot.kv_head * group, ot.q_start + warp_row0 / group,
+                         q_buf + half * (kBlockM * 128) + row_base * 128);
+          bulk_commit_group();
+        }
+        continue;
+      }
+    }
     const int chunk = lane & 15;
     uint4 staged[8];  // this lane's 16 bytes of rows row_base + 2 i + (lane >> 4)
 #pragma unroll
@@ -832,7 +873,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // release, from registers: behind the fence they held the buffer (and the next tile's Q) back.
     fence_proxy_async();
     __syncwarp();
-    if (lane == 0) mbar_arrive(bar_q_empty + 8 * b);
+    if (!kTmaOut && lane == 0) mbar_arrive(bar_q_empty + 8 * b);
     // Packed row pr is query token pr / group, head kv_head * group + pr % group: one division for
     // the lane's first row, then the quotient and remainder stepped by the 2 rows between stores
     // (a division a row was ~30 instructions and serialised each store behind its shared load).
@@ -854,6 +895,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  if (kTmaOut && lane == 0) bulk_wait_group_read<0>();  // shared memory outlives the last store
   // Consumer 0's empty last turn: it consumes consumer 1's grant after its last turn.
   if (c == 0) named_bar_sync(1, 256);
 #endif  // QWEN3_PREFILL_WS
@@ -872,17 +914,17 @@ int num_sms() {
   return n;
 }
 
-// Q [Tq, Hq, D] as a 3-D TMA tensor (D, Hq, Tq) whose box (64 dims, group heads, 128 / group
-// tokens) is half of an M block's packed rows, stored with the 128-byte swizzle the wgmma
-// descriptors expect. False where an M block is not one box (group not a power of two up to 128)
-// or the map cannot be made (q not 16-byte aligned, no driver entry point): the kernel then copies
-// Q with cp.async. Why TMA: the producer's cp.async copies of a Q tile queued behind the K / V
-// copies already in flight, ~7,000 cycles from issue to the last byte (clock64 profile, H200), and
-// the consumers waited ~4,000 cycles a work tile for it; a TMA copy takes its own path.
-bool encode_q_map(const PrefillParams& p, int num_tokens, DType dtype, CUtensorMap* map) {
+// A [Tq, Hq, D] tensor (Q or the output) as a 3-D TMA tensor (D, Hq, Tq) with the box (64 dims,
+// group heads, box_rows / group tokens): box_rows packed rows of one half of D, in the 128-byte
+// swizzle of the wgmma descriptors (the Q buffer's layout). False where box_rows is not a whole
+// number of tokens (group not a power of two up to box_rows) or the map cannot be made (tensor
+// not 16-byte aligned, no driver entry point). Why TMA for Q: see the header; for the output:
+// see the epilogue.
+bool encode_rows_map(const void* tensor, const PrefillParams& p, int num_tokens, int box_rows,
+                     DType dtype, CUtensorMap* map) {
   const int group = p.group;
-  if (group > kBlockM || (group & (group - 1)) != 0 || num_tokens <= 0) return false;
-  if ((reinterpret_cast<uintptr_t>(p.q) & 15) != 0) return false;
+  if (group > box_rows || (group & (group - 1)) != 0 || num_tokens <= 0) return false;
+  if ((reinterpret_cast<uintptr_t>(tensor) & 15) != 0) return false;
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   static std::once_flag once;
   std::call_once(once, [] {
@@ -901,23 +943,23 @@ bool encode_q_map(const PrefillParams& p, int num_tokens, DType dtype, CUtensorM
   const cuuint64_t strides[2] = {kHeadDim * 2,
                                  static_cast<cuuint64_t>(p.num_q_heads) * kHeadDim * 2};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(group),
-                             static_cast<cuuint32_t>(kBlockM / group)};
+                             static_cast<cuuint32_t>(box_rows / group)};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   return encode(map,
                 dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                3, const_cast<void*>(p.q), dims, strides, box, element_strides,
+                3, const_cast<void*>(tensor), dims, strides, box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, typename KV, bool kPersistent, bool kTmaQ>
-cudaError_t launch(const PrefillParams& p, const CUtensorMap& q_map, int batch, int max_seqlen_q,
-                   cudaStream_t stream) {
+template <typename T, typename KV, bool kPersistent, bool kTmaQ, bool kTmaOut = false>
+cudaError_t launch(const PrefillParams& p, const CUtensorMap& q_map, const CUtensorMap& out_map,
+                   int batch, int max_seqlen_q, cudaStream_t stream) {
   const int64_t m_blocks = ((int64_t)max_seqlen_q * p.group + kBlockM - 1) / kBlockM;
   if (m_blocks > 65535) return cudaErrorInvalidConfiguration;  // grid.y limit
-  auto kernel = prefill_ws_kernel<T, KV, kPersistent, kTmaQ>;
+  auto kernel = prefill_ws_kernel<T, KV, kPersistent, kTmaQ, kTmaOut>;
   constexpr int kSmemBytes = Buffers<kPersistent, std::is_same_v<KV, uint8_t>>::kSmemBytes;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
@@ -949,7 +991,8 @@ cudaError_t launch(const PrefillParams& p, const CUtensorMap& q_map, int batch, 
     const int64_t fit = kSectionBytes / (pair_bytes > 0 ? pair_bytes : 1);
     section_pairs = static_cast<int>(fit < kMinSectionPairs || fit >= pairs ? pairs : fit);
   }
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(lp, q_map, (int)m_blocks, batch, section_pairs,
+                                                 out_map);
   return cudaGetLastError();
 }
 
@@ -964,7 +1007,8 @@ bool sm90_available() {
   if (dev >= 0 && dev < 64 && cached[dev] != 0) return cached[dev] == 1;
   cudaFuncAttributes attr;
   bool ok =
-      cudaFuncGetAttributes(&attr, prefill_ws_kernel<__nv_bfloat16, __nv_bfloat16, false, false>) ==
+      cudaFuncGetAttributes(&attr,
+                            prefill_ws_kernel<__nv_bfloat16, __nv_bfloat16, false, false, false>) ==
           cudaSuccess &&
       attr.binaryVersion == 90;
   if (!ok) (void)cudaGetLastError();  // clear a "no kernel image" error; we just fall back
@@ -975,16 +1019,29 @@ bool sm90_available() {
 cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, int max_seqlen_q,
                            DType dtype, bool fp8_kv, bool persistent, cudaStream_t stream) {
   if (!sm90_available()) return cudaErrorNotSupported;
-  CUtensorMap q_map = {};
-  const bool tma_q = encode_q_map(p, num_tokens, dtype, &q_map);
+  // Q: half an M block a box. The output: a warp's 16 rows a box, stored by TMA on the
+  // persistent grid over a 16-bit cache in pages of 256 keys at kTmaOutMinTokens query tokens or
+  // more; elsewhere (pages of 16, the one-tile grid, 512 queries against 16k keys) TMA stores
+  // lost to the plain ones (see the header), and over an fp8 cache they are unmeasured.
+  constexpr int kTmaOutMinTokens = 2048;
+  CUtensorMap q_map = {}, out_map = {};
+  const bool tma_q = encode_rows_map(p.q, p, num_tokens, kBlockM, dtype, &q_map);
+  const bool tma_out = tma_q && persistent && !fp8_kv && p.block_size_log2 >= 8 &&
+                       num_tokens >= kTmaOutMinTokens &&
+                       encode_rows_map(p.out, p, num_tokens, 16, dtype, &out_map);
   auto go = [&](auto t_tag, auto kv_tag) {
     using T = decltype(t_tag);
     using KV = decltype(kv_tag);
+    if constexpr (std::is_same_v<KV, T>)
+      if (tma_out)
+        return launch<T, KV, true, true, true>(p, q_map, out_map, batch, max_seqlen_q, stream);
     if (tma_q)
-      return persistent ? launch<T, KV, true, true>(p, q_map, batch, max_seqlen_q, stream)
-                        : launch<T, KV, false, true>(p, q_map, batch, max_seqlen_q, stream);
-    return persistent ? launch<T, KV, true, false>(p, q_map, batch, max_seqlen_q, stream)
-                      : launch<T, KV, false, false>(p, q_map, batch, max_seqlen_q, stream);
+      return persistent ? launch<T, KV, true, true>(p, q_map, out_map, batch, max_seqlen_q, stream)
+                        : launch<T, KV, false, true>(p, q_map, out_map, batch, max_seqlen_q,
+                                                     stream);
+    return persistent ? launch<T, KV, true, false>(p, q_map, out_map, batch, max_seqlen_q, stream)
+                      : launch<T, KV, false, false>(p, q_map, out_map, batch, max_seqlen_q,
+                                                    stream);
   };
   return QWEN3_DISPATCH_HALF(dtype, T, [&] {
     return fp8_kv ? go(T{}, uint8_t{}) : go(T{}, T{});

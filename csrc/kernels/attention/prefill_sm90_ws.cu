@@ -131,15 +131,14 @@
 // 2k / 8k 1.014x, 4k 1.013x, pages of 16 1.002-1.013x, the one-tile grid's 16k and prefix
 // 512 / 16k 1.00x (the same bits everywhere). Without the stores at all (a bound, wrong output)
 // 64 x 256 would gain another 1.2x. TMA stores of a warp's 16 rows (the Q load's box on the
-// output) with the buffer released after the next tile's first GEMM gained more on pages of 256
-// (64 x 256 1.121x, 16 x 1k 1.095x, mixes 1.05-1.12x, 8 x 2k 1.049x, 4k 1.028x) but lost on
-// pages of 16 (0.957-0.982x), on the one-tile grid (~0.98x) and on a prefix chunk of 512
-// queries against 16k keys (0.984-0.988x), and the kernel spilled. So TMA stores only where they
-// gained: the persistent grid over a 16-bit cache in pages of 256, at 2048 query tokens or more
-// (kTmaOut; its two instances spill 28 bytes, and every other launch compiles to the plain
-// epilogue's SASS). Against the plain epilogue (prefill_ab, H100, 3 rounds, bit-identical
-// output): 64 x 256 1.030x, 16 x 1k 1.029x, mixes of 64..2048 1.013-1.037x, prefix 2k / 8k
-// 1.020x, 4k 1.011x. Pages of 32..128 keep the plain stores (TMA there unmeasured).
+// output), with the buffer released after the next tile's first GEMM, against the plain
+// epilogue (prefill_ab, H100, 3 rounds, bit-identical output): on pages of 256 64 x 256 1.030x,
+// 16 x 1k 1.029x, mixes of 64..2048 1.013-1.037x, prefix 2k / 8k 1.020x, 4k 1.011x; but on pages
+// of 16 0.955-0.974x, on the one-tile grid ~0.98x and on a prefix chunk of 512 queries against
+// 16k keys 0.985-0.988x, and the kernel spills. So TMA stores only where they gained: the
+// persistent grid over a 16-bit cache in pages of 256, at 2048 query tokens or more (kTmaOut;
+// its two instances spill 28 bytes, and every other launch compiles to the plain epilogue's
+// SASS). Pages of 32..128 keep the plain stores (TMA there unmeasured).
 // Short tiles are partly memory-bound: 64 x 256 (causal 32/8)
 // moves Q 134 MB, K and V 67 MB and the output 134 MB, 335 MB that take ~110 us at the H100's
 // ~3 TB/s of practical bandwidth, more than its ~80 us of tensor-core work (1.5 key tiles a

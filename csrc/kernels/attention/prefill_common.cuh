@@ -39,16 +39,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // ---- the kernels' shared steps (inlined: the same instructions as when written out in place) ----
 
-// Element offset in q / out [Tq, Hq, D] of packed row pr of a (sequence, kv head) tile: query
-// token pr / group of the sequence (whose first token is q_start), q head kv_head * group +
-// pr % group.
-__device__ __forceinline__ int64_t packed_row_offset(const PrefillParams& p, int q_start,
-                                                     int kv_head, int group, int pr) {
-  const int token = pr / group;
-  const int head = kv_head * group + (pr - token * group);
-  return ((int64_t)(q_start + token) * p.num_q_heads + head) * kHeadDim;
-}
-
 // Issues the cp.async copies of a Q tile: packed rows row0 .. row0 + kTileRows - 1 (rows past
 // `rows` are zero-filled). This thread copies 16-byte chunk ld_chunk of tile rows ld_row +
 // kRowsPerPass i, to s_q + dst_offset(r) for tile row r (each kernel has its own swizzle).

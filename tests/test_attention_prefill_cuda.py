@@ -251,14 +251,14 @@ def test_prefill_many_work_tiles(block_size, grid):
 
 
 @requires_cuda
-@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("block_size", [16, 128, 256])
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (16, 1), (32, 1)])  # group sizes 4, 16, 32
 def test_prefill_output_rows(hq, hkv, block_size, grid):
     """The epilogue finds each output row's token and head by stepping from the lane's first row
-    (one division a lane); on the persistent grid over pages of 256 a warp whose 16 rows lie in
-    the sequence stores them with TMA (groups up to 16). Groups from 4 to 32, lengths across
-    every 16-row boundary of a warp, with and without a prefix, many tiles a CTA; 2265 query
-    tokens, past the 2048 from which the TMA stores run."""
+    (one division a lane); on the persistent grid over pages of 128 or 256 a warp whose 16 rows
+    lie in the sequence stores them with TMA (groups up to 16). Groups from 4 to 32, lengths
+    across every 16-row boundary of a warp, with and without a prefix, many tiles a CTA; 2265
+    query tokens, past the 2048 from which the TMA stores run."""
     seqs = ([(n, n + (7 * n) % 50) for n in range(1, 41)]
             + [(300, 300), (129, 600), (16, 16), (1000, 1000)])
     case = Case(seqs, hq, hkv, block_size, torch.bfloat16, seed=hq * 10 + hkv).cuda()

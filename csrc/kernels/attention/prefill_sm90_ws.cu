@@ -135,10 +135,11 @@
 // epilogue (prefill_ab, H100, 3 rounds, bit-identical output): on pages of 256 64 x 256 1.030x,
 // 16 x 1k 1.029x, mixes of 64..2048 1.013-1.037x, prefix 2k / 8k 1.020x, 4k 1.011x; but on pages
 // of 16 0.955-0.974x, on the one-tile grid ~0.98x and on a prefix chunk of 512 queries against
-// 16k keys 0.985-0.988x, and the kernel spills. So TMA stores only where they gained: the
-// persistent grid over a 16-bit cache in pages of 256, at 2048 query tokens or more (kTmaOut;
-// its two instances spill 28 bytes, and every other launch compiles to the plain epilogue's
-// SASS). Pages of 32..128 keep the plain stores (TMA there unmeasured).
+// 16k keys 0.985-0.988x, and the kernel spills; on pages of 128 16 x 1k 1.025x and 4k 1.019x, of
+// 64 0.971-0.996x, of 32 0.989-0.990x (prefill_ab, H100, 3 rounds). So TMA stores only where
+// they gained: the persistent grid over a 16-bit cache in pages of 128 or 256, at 2048 query
+// tokens or more (kTmaOut; its two instances spill 28 bytes, and every other launch compiles to
+// the plain epilogue's SASS).
 // Short tiles are partly memory-bound: 64 x 256 (causal 32/8)
 // moves Q 134 MB, K and V 67 MB and the output 134 MB, 335 MB that take ~110 us at the H100's
 // ~3 TB/s of practical bandwidth, more than its ~80 us of tensor-core work (1.5 key tiles a
@@ -1019,13 +1020,14 @@ cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, in
                            DType dtype, bool fp8_kv, bool persistent, cudaStream_t stream) {
   if (!sm90_available()) return cudaErrorNotSupported;
   // Q: half an M block a box. The output: a warp's 16 rows a box, stored by TMA on the
-  // persistent grid over a 16-bit cache in pages of 256 keys at kTmaOutMinTokens query tokens or
-  // more; elsewhere (pages of 16, the one-tile grid, 512 queries against 16k keys) TMA stores
-  // lost to the plain ones (see the header), and over an fp8 cache they are unmeasured.
+  // persistent grid over a 16-bit cache in pages of 128 or 256 keys at kTmaOutMinTokens query
+  // tokens or more; elsewhere (pages of 16..64, the one-tile grid, 512 queries against 16k keys)
+  // TMA stores lost to the plain ones (see the header), and over an fp8 cache they are
+  // unmeasured.
   constexpr int kTmaOutMinTokens = 2048;
   CUtensorMap q_map = {}, out_map = {};
   const bool tma_q = encode_rows_map(p.q, p, num_tokens, kBlockM, dtype, &q_map);
-  const bool tma_out = tma_q && persistent && !fp8_kv && p.block_size_log2 >= 8 &&
+  const bool tma_out = tma_q && persistent && !fp8_kv && p.block_size_log2 >= 7 &&
                        num_tokens >= kTmaOutMinTokens &&
                        encode_rows_map(p.out, p, num_tokens, 16, dtype, &out_map);
   auto go = [&](auto t_tag, auto kv_tag) {

@@ -33,9 +33,12 @@
 // python benchmarks/bench_engine.py --size 8B --batch1, alternating): 225.8 / 225.9 decode tok/s
 // against pdl_late 225.5 / 225.6 and a plain launch 220.0-220.2; Qwen3-8B qkv back to back: pdl
 // (trigger at the start) 18.6 us, plain 14.6-14.8, trigger last 14.1-14.3. Before sm_90 a plain
-// launch. The multi-token GEMV (M <= 8: lost to cuBLAS at M = 3 and 8, 0.67-1.08x), the other
-// launches (plain, pdl, pdl_early, pdl_late), the .L2::256B loads and linear_silu_and_mul by warp
-// rows are kept on branch experiment/kernel-launch-variants.
+// launch. Two stages of weight loads issued before the wait instead of one (branch
+// experiment/gemv-prewait-stages: more of o_proj's weight in flight while the attention chain
+// runs) lost: Qwen3-8B batch 1 172.1 / 172.2 against 177.2 / 177.1 decode tok/s (H100,
+// alternating). The multi-token GEMV (M <= 8: lost to cuBLAS at M = 3 and 8, 0.67-1.08x), the
+// other launches (plain, pdl, pdl_early, pdl_late), the .L2::256B loads and linear_silu_and_mul
+// by warp rows are kept on branch experiment/kernel-launch-variants.
 // The residual add + RMSNorm before qkv_proj and gate_up fused into these GEMVs (every warp
 // forming the normalised row from x, the residual and the norm weight, 1 / rms on the finished
 // sums; branch experiment/norm-in-gemv) measured slower: the norm's own launch already hides

@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "ab_common.cuh"
@@ -156,8 +155,8 @@ int main(int argc, char** argv) {
                           kNames[0], compare(ref, o));
       }
     }
-    // each: 24 calls of one projection through the layers' copies (>= 4 layers apart per
-    // 60 MB of L2 is not needed: every call reads a different layer's copy)
+    // each: 24 calls of one projection, each on the next layer's copy (over 16 layers a copy
+    // comes back after 15 others: far past the L2)
     for (int i = 0; i < np; ++i) {
       const Proj& p = m.projs[i];
       std::vector<Call> calls;

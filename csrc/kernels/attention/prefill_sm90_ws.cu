@@ -1025,9 +1025,10 @@ cudaError_t launch_sm90_ws(const PrefillParams& p, int num_tokens, int batch, in
   // TMA stores lost to the plain ones (see the header), and over an fp8 cache they are
   // unmeasured.
   constexpr int kTmaOutMinTokens = 2048;
+  constexpr int kTmaOutMinPageLog2 = 7;  // pages of 128 keys
   CUtensorMap q_map = {}, out_map = {};
   const bool tma_q = encode_rows_map(p.q, p, num_tokens, kBlockM, dtype, &q_map);
-  const bool tma_out = tma_q && persistent && !fp8_kv && p.block_size_log2 >= 7 &&
+  const bool tma_out = tma_q && persistent && !fp8_kv && p.block_size_log2 >= kTmaOutMinPageLog2 &&
                        num_tokens >= kTmaOutMinTokens &&
                        encode_rows_map(p.out, p, num_tokens, 16, dtype, &out_map);
   auto go = [&](auto t_tag, auto kv_tag) {

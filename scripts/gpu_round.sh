@@ -12,6 +12,9 @@
 #   ENGINE="--size 8B;PYTHONPATH=$PWD/scratch/b --size 8B" ...  # a run's leading NAME=value
 #                         # words are its environment: here the second run imports the Python
 #                         # package copied to scratch/b/ (another branch's engine on this build)
+#   ENGINE="@ring --size 8B --batch1;--size 8B --batch1" ...  # "@NAME": the run imports the
+#                         # packages and extension scripts/prebuild.sh wrote as .prebuilt/NAME.*
+#                         # (another branch, kernels included, beside this tree's build)
 #   SERVE='--size 8B;--size 8B --workload chat;--size 8B --engine-args "--max-num-seqs 176"' \
 #     bash scripts/gpu_round.sh  # bench_serve.py runs (server + offline baselines each), as ENGINE
 #                         # but shell-quoted; SERVE=none skips them; SERVE_TIMEOUT=1200 (s) each
@@ -154,6 +157,20 @@ if [ "${BG_TESTS:-0}" = 1 ]; then
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
 
+# .prebuilt/NAME's Python packages with its extension in a folder of their own (once): its path.
+variant_dir() {
+  local name=$1 dir="${TMPDIR:-/tmp}/qwen3_variants/$1" h tv arch so
+  [ -f ".prebuilt/$name.py.tar.xz" ] && [ -f ".prebuilt/$name.so.xz" ] || return 1
+  if [ ! -d "$dir" ]; then
+    read -r h tv arch so < ".prebuilt/$name.sources" || return 1
+    mkdir -p "$dir" && tar -C "$dir" -xJf ".prebuilt/$name.py.tar.xz" && python3 -c "
+import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as f, open(sys.argv[2], 'wb') as g: shutil.copyfileobj(f, g)" \
+      ".prebuilt/$name.so.xz" "$dir/qwen3_kernels/$so" || { rm -rf "$dir"; return 1; }
+  fi
+  echo "$dir"
+}
+
 # Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random
 # weights; the defaults (scheduling_policy "auto"), first come first served, and batch 1.
 ENGINE=${ENGINE:-"--size 0.6B;--size 0.6B --num-seqs 32 --baseline hf;--size 8B --batch1;--size 8B;\
@@ -165,6 +182,11 @@ if [ "$ENGINE" != none ]; then
     echo "== bench_engine.py $args ==" | tee -a "$OUT/engine.log"
     read -ra flags <<< "$args"
     envs=()
+    if [[ "${flags[0]:-}" == @* ]]; then  # @NAME: .prebuilt/NAME's packages and extension
+      name=${flags[0]#@}; flags=("${flags[@]:1}")
+      variant=$(variant_dir "$name") || { echo "no usable .prebuilt/$name.*: skipped"; continue; }
+      envs+=("PYTHONPATH=$variant")
+    fi
     while [ ${#flags[@]} -gt 0 ] && [[ "${flags[0]}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do
       envs+=("${flags[0]}"); flags=("${flags[@]:1}")
     done

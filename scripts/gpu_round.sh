@@ -56,6 +56,11 @@ check_extension() {
 assert q.has_cuda_kernels(), q.cuda_kernels_import_error()
 print('extension loaded:', torch.ops.qwen3_kernels.silu_and_mul)")
 }
+# unxz_to SRC.xz DST: a prebuilt extension decompressed (no xz binary needed)
+unxz_to() {
+  python3 -c "import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as f, open(sys.argv[2], 'wb') as g: shutil.copyfileobj(f, g)" "$1" "$2"
+}
 # A prebuilt extension (scripts/prebuild.sh, carried in .prebuilt/) built from exactly this tree's
 # csrc/ and setup.py for this torch and TORCH_CUDA_ARCH_LIST: installed instead of building.
 prebuilt_matching() {
@@ -75,9 +80,8 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   if pre=$(prebuilt_matching); then
     read -r xz so <<< "$pre"
     QWEN3_KERNELS_NO_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -e . \
-      >"$OUT/build.log" 2>&1 && python3 -c "import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as f, open(sys.argv[2], 'wb') as g: shutil.copyfileobj(f, g)" \
-      "$xz" "$so" && check_extension && built=1 && echo "build: prebuilt $xz"
+      >"$OUT/build.log" 2>&1 && unxz_to "$xz" "$so" && check_extension && built=1 &&
+      echo "build: prebuilt $xz"
     [ $built = 1 ] || echo "build: prebuilt $xz did not load; building"
   fi
   if [ $built = 0 ]; then
@@ -163,10 +167,8 @@ variant_dir() {
   [ -f ".prebuilt/$name.py.tar.xz" ] && [ -f ".prebuilt/$name.so.xz" ] || return 1
   if [ ! -d "$dir" ]; then
     read -r h tv arch so < ".prebuilt/$name.sources" || return 1
-    mkdir -p "$dir" && tar -C "$dir" -xJf ".prebuilt/$name.py.tar.xz" && python3 -c "
-import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as f, open(sys.argv[2], 'wb') as g: shutil.copyfileobj(f, g)" \
-      ".prebuilt/$name.so.xz" "$dir/qwen3_kernels/$so" || { rm -rf "$dir"; return 1; }
+    mkdir -p "$dir" && tar -C "$dir" -xJf ".prebuilt/$name.py.tar.xz" &&
+      unxz_to ".prebuilt/$name.so.xz" "$dir/qwen3_kernels/$so" || { rm -rf "$dir"; return 1; }
   fi
   echo "$dir"
 }

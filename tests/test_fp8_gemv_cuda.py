@@ -81,6 +81,8 @@ GEMV_SHAPES = [
         (200, 4112),    # N not a multiple of 128, K % 256 == 16
         (2560, 1216),   # 4B down under TP 8: K % 128 == 64
         (4096, 6144),   # 8B down under TP 2
+        (24, 8208),     # K > 4096: a ring of 256-column units, the last one 16 columns wide
+        (40, 12560),    # warps with different unit counts, a partial last 128-group
     ]
 ]
 

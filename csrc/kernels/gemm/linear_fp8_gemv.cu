@@ -13,27 +13,44 @@
 //
 //   - A CTA owns 16 weight rows (the M of one mma) over all of K: N / 16 CTAs (256 for N = 4096,
 //     1536 for 24576), several per SM, scheduled dynamically as in the bf16 GEMV; 8 warps.
-//   - The weight goes through shared memory: warp w copies the 512-column stages w, w + 8, ... of
-//     the CTA's 16 rows with cp.async (16 x 512 bytes, 8 KB, one stage a warp in flight), a warp
-//     instruction covering 512 contiguous bytes of one row. Loading the mma fragments straight
-//     from global memory instead (a load instruction then covers 64 bytes of each of 8 rows; two
-//     256-column stages of registers a warp, 4 or 8 warps) streamed slower on every 8B shape
-//     (bench_linear_fp8.py -k "decode and T1", H100, us, this kernel against that one: qkv 12.71
-//     / 13.78, o 9.86 / 10.43, gate_up 36.71 / 41.05, down 22.60 / 24.47; Qwen3-8B-FP8 batch 1
-//     267.5 / 248.7 decode tok/s). 4 warps a CTA here lost 3.2 us over the four (a standalone
-//     harness, H100).
+//   - The weight goes through shared memory, 8 KB a warp: warp w copies the units w, w + 8, ...
+//     of the CTA's 16 rows with cp.async. Where K <= 4096 a warp's share is at most one unit of
+//     512 columns (16 x 512 bytes, a warp instruction covering 512 contiguous bytes of one row),
+//     all of it issued at the start; past that a ring of two units of 256 columns (a warp
+//     instruction: 256 bytes of each of two rows), so the warp's next unit is in flight while it
+//     multiplies this one. With one 512-column unit in flight a warp, the whole grid issued its
+//     copies together, waited and multiplied together, and the memory idled between rounds.
+//     Measured (benchmarks/linear_fp8_gemv_ab, H100, 3 rounds, the ring of 256 at every K against
+//     one unit of 512, us): Qwen3-8B's four projections over its 36 layers 74.2 / 74.2 a layer,
+//     Qwen3-32B's over 16 layers 190.5 / 198.3; one projection back to back 8B down 20.77 / 21.30,
+//     32B down 63.41 / 68.09, 32B qkv 20.33 / 21.37, but at K = 4096 8B qkv 11.16 / 11.05, o
+//     6.43 / 6.35, gate_up 35.52 / 35.43: hence units of 512 there (the same SASS as one unit a
+//     warp at every K). Engine, batch 1 (H100, alternating): Qwen3-32B-FP8 73.7 / 73.8 decode
+//     tok/s against 70.8 / 70.8; Qwen3-8B-FP8 270.2 / 270.0 / 269.9 against 272.2 / 272.0 /
+//     272.0, with a build whose K <= 4096 kernel did not yet compile to the same SASS (that of
+//     this file: unmeasured). Half the shared memory a warp (4 KB: units of 128 in a ring, or one
+//     of 256), which lets the next kernel's CTAs in: 8B qkv 1.16x, but o 0.78x, down 0.94x, 8B
+//     layers 1.00x, 32B layers 1.06x. Lost: x quantized before the first weight copies (the
+//     copies after the wait), 0.66-0.97x; the ring with the first units prefetched to L2 before
+//     the wait and copied after x, 0.99x (8B layers) and 1.03x (32B layers).
+//     Loading the mma fragments straight from global memory instead (a load instruction then
+//     covers 64 bytes of each of 8 rows; two 256-column stages of registers a warp, 4 or 8 warps)
+//     streamed slower on every 8B shape (bench_linear_fp8.py -k "decode and T1", H100, us, the
+//     512-column kernel against that one: qkv 12.71 / 13.78, o 9.86 / 10.43, gate_up 36.71 /
+//     41.05, down 22.60 / 24.47; Qwen3-8B-FP8 batch 1 267.5 / 248.7 decode tok/s). 4 warps a CTA
+//     lost 3.2 us over the four (a standalone harness, H100).
 //   - The mma fixes which lane holds what: lane (g, t) = (lane / 4, lane % 4) holds rows g and
 //     g + 8 at k = 2t, 2t + 1, 2t + 8, 2t + 9 of each k16 step. Any permutation of k that is the
 //     same for every row and for x gives the same dot product, so a lane reads 16 contiguous
-//     bytes of rows g and g + 8 at chunk 4 j + t of the stage (columns 64 j + 16 t ..) and feeds
-//     them as four k16 steps; x is read from shared memory at the same columns. Chunks are
-//     swizzled (stage_offset) so these reads meet no bank conflict.
-//   - Scales: a stage is four 128-groups. Each group's 8 mma accumulate from zero, then the sum is
-//     scaled once: acc += d * (weight_scale_inv[n / 128, g] * x_scale[g]) (one shared-memory
-//     word per group, computed while quantizing x). Only the summation order and the point at
-//     which the two scales multiply differ from reference.linear_fp8. The 8 warps' partial sums
-//     meet in shared memory at the end; every output is written once.
-//   - The first stages are issued before griddepcontrol.wait and stay in flight while the CTA
+//     bytes of rows g and g + 8 at chunk 4 j + t of a 64-column span of the unit (columns 64 j +
+//     16 t ..) and feeds them as four k16 steps; x is read from shared memory at the same
+//     columns. Chunks are swizzled (unit_offset) so these reads meet no bank conflict.
+//   - Scales: a unit is four or two 128-groups. Each group's 8 mma accumulate from zero, then
+//     the sum is scaled once: acc += d * (weight_scale_inv[n / 128, g] * x_scale[g]) (one
+//     shared-memory word per group, computed while quantizing x). Only the summation order and
+//     the point at which the two scales multiply differ from reference.linear_fp8. The 8 warps'
+//     partial sums meet in shared memory at the end; every output is written once.
+//   - The first units are issued before griddepcontrol.wait and stay in flight while the CTA
 //     quantizes x (PDL launch on sm_90). Each CTA lets the next kernel launch right after its
 //     wait (griddepcontrol.launch_dependents; the next kernel's own wait still waits for this
 //     whole grid), so that kernel's launch and prologue overlap this one's stream: Qwen3-8B-FP8
@@ -42,7 +59,7 @@
 //     gate_up 35.73 / 36.18, down 21.61 / 22.23, where the next call's weight copies overlap).
 //   - x: each CTA reads x [1, K] (2 K bytes, from L2), quantizes it (quantize_fp8.cuh: half a
 //     warp a group) and keeps the e4m3 values as f16 in shared memory (2 K bytes; 51 KB at K =
-//     25600, beside the 64 KB of stages), zero-padded to whole stages so the partial last group
+//     25600, beside the 64 KB of units), zero-padded to whole units so the partial last group
 //     needs no branch.
 //
 // fp8::gemv_tokens (T = 2..16, linear_fp8.cu picks it): the same pass with x [T, K] quantized
@@ -75,11 +92,10 @@ constexpr int kGroupsPerStage = kStageCols / kGroup;
 constexpr int kQuantUnroll = 4;             // x loads a lane has in flight while quantizing
 constexpr int kMaxDevices = 64;
 static_assert(kRows <= kGroup && kGroup % kRows == 0, "a CTA's rows share one weight block row");
-// The one-token kernel's stage: 16 rows x 512 columns in shared memory, one a warp.
+// The one-token kernel's shared memory: 8 KB a warp (16 rows x 512 columns), as one unit of 512
+// columns or a ring of two of 256 (gemv chooses by K).
 constexpr int kGemvWarps = 8;
-constexpr int kRowStageCols = 512;  // a warp's copy of one row: 32 lanes x 16 bytes
-constexpr int kRowStageGroups = kRowStageCols / kGroup;
-constexpr int kRowStageBytes = kRows * kRowStageCols;  // 8 KB
+constexpr int kWarpStageBytes = 8192;
 
 // Rows g and g + 8 of one stage: chunk j is columns kb + 64 j + 16 t .. + 15.
 struct Stage {
@@ -171,44 +187,54 @@ __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
 
 // ---- one token: fp8::gemv ---------------------------------------------------------------------
 
-// Chunk c (16 bytes) of stage row r sits at chunk c ^ 4 (r & 1): rows g and g + 1 fill opposite
-// halves of each 128-byte line of banks, so each 8-lane phase of the fragment loads (2 rows x 4
-// chunks) hits 8 different bank groups, as does each phase of the copies (8 chunks of one row).
-__device__ __forceinline__ int stage_offset(int r, int c) {
-  return r * kRowStageCols + 16 * (c ^ ((r & 1) << 2));
+// A unit of kUnitCols columns of the CTA's 16 rows: row r at r * kUnitCols; its chunk c (16
+// bytes) sits at chunk c ^ 4 (r & 1), so rows g and g + 1 fill opposite halves of each 128-byte
+// line of banks: each 8-lane phase of the fragment loads (2 rows x 4 chunks) hits 8 different
+// bank groups, as does each phase of the copies (8 consecutive chunks of one row).
+template <int kUnitCols>
+__device__ __forceinline__ int unit_offset(int r, int c) {
+  return r * kUnitCols + 16 * (c ^ ((r & 1) << 2));
 }
 
-// A warp's copy of rows row0 .. row0 + 15, columns kb .. kb + 511 of the weight into its stage:
-// lane l copies chunk l of each row (a warp instruction: 512 contiguous bytes of one row).
-// Columns at or past k (k % 16 == 0: a chunk is all in or all out) and rows past n are zeros.
-__device__ __forceinline__ void copy_row_stage(uint32_t stage, const uint8_t* w, int row0, int n,
-                                               int k, int kb, int lane) {
-  const int col = kb + 16 * lane;
+// A warp's copy of rows row0 .. row0 + 15, columns kb .. kb + kUnitCols - 1 of the weight into a
+// unit: a warp instruction copies 512 contiguous bytes of one row (units of 512) or 256 of each of
+// two rows (units of 256), 16 bytes a lane. Columns at or past k (k % 16 == 0: a chunk is all in or
+// all out) and rows past n are zeros. One commit group a unit.
+template <int kUnitCols>
+__device__ __forceinline__ void copy_unit(uint32_t unit, const uint8_t* w, int row0, int n, int k,
+                                          int kb, int lane) {
+  constexpr int kChunksPerRow = kUnitCols / 16;
+  constexpr int kRowsPerCopy = 32 / kChunksPerRow;
+  const int c = lane % kChunksPerRow;
+  const int col = kb + 16 * c;
   const uint8_t* src = w + static_cast<int64_t>(row0) * k + col;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+  for (int i = 0; i < kRows; i += kRowsPerCopy) {
+    const int r = i + lane / kChunksPerRow;
     const bool ok = col < k && row0 + r < n;
-    cp_async_16(stage + stage_offset(r, lane), ok ? src + static_cast<int64_t>(r) * k : w, ok);
+    cp_async_16(unit + unit_offset<kUnitCols>(r, c), ok ? src + static_cast<int64_t>(r) * k : w,
+                ok);
   }
   cp_async_commit();
 }
 
-// acc[0] (row g) and acc[1] (row g + 8) += the stage's dot products, group by group; lane (g, t)
+// acc[0] (row g) and acc[1] (row g + 8) += the unit's dot products, group by group; lane (g, t)
 // takes chunks 8 h + 4 jj + t of group h (the column permutation the top of the file describes).
-// xh: x as f16 [k padded to stages]; sc: [groups] weight scale * x scale.
-__device__ __forceinline__ void compute_row_stage(const uint8_t* stage, int kb, int g, int t, int k,
-                                                  const uint16_t* xh, const float* sc,
-                                                  float (&acc)[2]) {
+// xh: x as f16 [k padded to units]; sc: [groups] weight scale * x scale.
+template <int kUnitCols>
+__device__ __forceinline__ void compute_unit(const uint8_t* unit, int kb, int g, int t, int k,
+                                             const uint16_t* xh, const float* sc,
+                                             float (&acc)[2]) {
 #pragma unroll
-  for (int h = 0; h < kRowStageGroups; ++h) {
+  for (int h = 0; h < kUnitCols / kGroup; ++h) {
     const int group = kb / kGroup + h;
     if (group * kGroup >= k) break;  // uniform: past the last group
     float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int jj = 0; jj < kGroup / 64; ++jj) {
       const int c = 8 * h + 4 * jj + t;
-      const uint4 w_lo = *reinterpret_cast<const uint4*>(stage + stage_offset(g, c));
-      const uint4 w_hi = *reinterpret_cast<const uint4*>(stage + stage_offset(g + 8, c));
+      const uint4 w_lo = *reinterpret_cast<const uint4*>(unit + unit_offset<kUnitCols>(g, c));
+      const uint4 w_hi = *reinterpret_cast<const uint4*>(unit + unit_offset<kUnitCols>(g + 8, c));
       const uint4 x0 = *reinterpret_cast<const uint4*>(xh + kb + 16 * c);
       const uint4 x1 = *reinterpret_cast<const uint4*>(xh + kb + 16 * c + 8);
       const uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
@@ -224,33 +250,44 @@ __device__ __forceinline__ void compute_row_stage(const uint8_t* stage, int kb, 
   }
 }
 
-// Grid ceil(n / 16) CTAs of kGemvWarps warps; CTA b owns rows 16 b .. 16 b + 15, warp w the
-// stages w, w + kGemvWarps, ... Dynamic shared memory: [kGemvWarps stages of 16 x 512 e4m3]
-// [xh: stages * 512 f16][sc: stages * 4 fp32].
-template <bool kPdl>
+// Grid ceil(n / 16) CTAs of kGemvWarps warps; CTA b owns rows 16 b .. 16 b + 15, warp w the units
+// w, w + kGemvWarps, ..., kRing of them in flight in its 8 KB. Dynamic shared memory:
+// [kGemvWarps x 8 KB of units][xh: units * kUnitCols f16][sc: units * kUnitCols / 128 fp32].
+template <int kUnitCols, bool kPdl>
 __global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_kernel(__nv_bfloat16* __restrict__ out,      // [1, n]
                 const __nv_bfloat16* __restrict__ x,  // [1, k]
                 const uint8_t* __restrict__ w,        // [n, k] e4m3
                 const float* __restrict__ w_scales,   // [ceil(n / 128), ceil(k / 128)]
                 int n, int k) {
+  constexpr int kUnitBytes = kRows * kUnitCols;
+  constexpr int kRing = kWarpStageBytes / kUnitBytes;
+  static_assert(kRing == 1 || kRing == 2, "cp_async_wait below counts one or two groups");
   extern __shared__ uint4 smem[];
   __shared__ float partial[kGemvWarps][kRows];
-  const int stages = (k + kRowStageCols - 1) / kRowStageCols;
+  const int units = (k + kUnitCols - 1) / kUnitCols;
   const int groups = (k + kGroup - 1) / kGroup;
-  auto* stage_bufs = reinterpret_cast<uint8_t*>(smem);
-  auto* xh = reinterpret_cast<uint16_t*>(stage_bufs + kGemvWarps * kRowStageBytes);
-  auto* sc = reinterpret_cast<float*>(xh + stages * kRowStageCols);
+  auto* unit_bufs = reinterpret_cast<uint8_t*>(smem);
+  auto* xh = reinterpret_cast<uint16_t*>(unit_bufs + kGemvWarps * kWarpStageBytes);
+  auto* sc = reinterpret_cast<float*>(xh + units * kUnitCols);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * kRows;
-  const uint8_t* stage = stage_bufs + warp * kRowStageBytes;
-  const uint32_t stage_addr = smem_addr(stage);
+  const uint8_t* ring = unit_bufs + warp * kWarpStageBytes;
+  const uint32_t ring_addr = smem_addr(ring);
 
-  // The weight is no kernel's output: the first stages stream in while the kernel before
-  // finishes and while x is quantized.
-  if (warp < stages) copy_row_stage(stage_addr, w, row0, n, k, warp * kRowStageCols, lane);
+  // The weight is no kernel's output: the first units stream in while the kernel before
+  // finishes and while x is quantized. In a ring, past the warp's last unit an empty group keeps
+  // the count of groups the waits below rely on (a ring of one waits for all).
+#pragma unroll
+  for (int j = 0; j < kRing; ++j) {
+    const int u = warp + j * kGemvWarps;
+    if (u < units)
+      copy_unit<kUnitCols>(ring_addr + j * kUnitBytes, w, row0, n, k, u * kUnitCols, lane);
+    else if constexpr (kRing > 1)
+      cp_async_commit();
+  }
   if constexpr (kPdl) {
     pdl_wait();  // x may be the previous kernel's output, out its input
     // The next kernel may launch now: its griddepcontrol.wait still waits for this whole grid,
@@ -259,17 +296,22 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   }
 
   quantize_x<32 * kGemvWarps>(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k,
-                              groups, stages * kRowStageGroups, xh, sc);
+                              groups, units * (kUnitCols / kGroup), xh, sc);
   __syncthreads();
 
   float acc[2] = {0.f, 0.f};
-  for (int s = warp; s < stages; s += kGemvWarps) {
-    cp_async_wait<0>();
-    __syncwarp();  // every lane's copies have landed
-    compute_row_stage(stage, s * kRowStageCols, g, t, k, xh, sc, acc);
+  int slot = 0;
+  for (int u = warp; u < units; u += kGemvWarps) {
+    cp_async_wait<kRing - 1>();  // unit u has landed (the one after it may be in flight)
+    __syncwarp();                // every lane's copies of it
+    compute_unit<kUnitCols>(ring + slot * kUnitBytes, u * kUnitCols, g, t, k, xh, sc, acc);
     __syncwarp();  // every lane is done reading before the next copy overwrites
-    if (s + kGemvWarps < stages)
-      copy_row_stage(stage_addr, w, row0, n, k, (s + kGemvWarps) * kRowStageCols, lane);
+    const int next = u + kRing * kGemvWarps;
+    if (next < units)
+      copy_unit<kUnitCols>(ring_addr + slot * kUnitBytes, w, row0, n, k, next * kUnitCols, lane);
+    else if constexpr (kRing > 1)
+      cp_async_commit();
+    slot = (slot + 1) % kRing;
   }
 
   if (t == 0) {
@@ -423,13 +465,13 @@ __global__ void __launch_bounds__(32 * kWarps)
   if constexpr (kPdl) pdl_launch_dependents();
 }
 
-size_t smem_bytes(int64_t k) {
-  const int64_t stages = (k + kRowStageCols - 1) / kRowStageCols;
-  return static_cast<size_t>(kGemvWarps * kRowStageBytes + stages * kRowStageCols * 2 +
-                             stages * kRowStageGroups * 4);
+size_t smem_bytes(int64_t k, int unit_cols) {
+  const int64_t units = (k + unit_cols - 1) / unit_cols;
+  return static_cast<size_t>(kGemvWarps * kWarpStageBytes + units * unit_cols * 2 +
+                             units * (unit_cols / kGroup) * 4);
 }
 
-// Above 48 KB of shared memory (the one-token kernel's stages alone are 64 KB) a kernel must opt
+// Above 48 KB of shared memory (the one-token kernel's units alone are 64 KB) a kernel must opt
 // in, per device: once per device each kernel is allowed all the device offers (setting the same
 // value twice is harmless); a K beyond that (~80000) then fails at the launch.
 cudaError_t allow_all_smem(const void* kernel, std::atomic<bool> (&done)[kMaxDevices]) {
@@ -459,16 +501,22 @@ cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales,
   if (n < 0 || k <= 0 || n % 8 || k % 16 || n > (int64_t{1} << 30) || k > (int64_t{1} << 20) ||
       !aligned16(x) || !aligned16(w) || w_scales == nullptr)
     return cudaErrorInvalidValue;
-  const size_t smem = smem_bytes(k);
+  // Units of 512 columns where each warp's share of K is at most one (K <= 4096: nothing to
+  // pipeline), else a ring of two units of 256 so that a warp's next copy is in flight while it
+  // multiplies (see the top of the file).
+  const bool wide = k <= kGemvWarps * 512;
+  const size_t smem = smem_bytes(k, wide ? 512 : 256);
   const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
   auto* o = static_cast<__nv_bfloat16*>(out);
   auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* wb = static_cast<const uint8_t*>(w);
   const int ni = static_cast<int>(n), ki = static_cast<int>(k);
   const bool pdl = current_device_info().cc_major >= 9;
-  auto kernel = pdl ? gemv_kernel<true> : gemv_kernel<false>;
-  static std::atomic<bool> allowed[2][kMaxDevices];
-  const cudaError_t err = allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[pdl]);
+  auto kernel = wide ? (pdl ? gemv_kernel<512, true> : gemv_kernel<512, false>)
+                     : (pdl ? gemv_kernel<256, true> : gemv_kernel<256, false>);
+  static std::atomic<bool> allowed[2][2][kMaxDevices];
+  const cudaError_t err =
+      allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[wide][pdl]);
   if (err != cudaSuccess) return err;
   return launch_ex(kernel, LaunchConfig(grid, dim3(32 * kGemvWarps), smem, stream, pdl, 1), o, xb,
                    wb, w_scales, ni, ki);

@@ -376,6 +376,33 @@ void linear_fp8(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                op);
 }
 
+// The FP8 MLP's gate_up projection and its activation: at one token one pass of the FP8 GEMV
+// (silu_and_mul at its end); above, linear_fp8 into a [T, 2I] temporary and then silu_and_mul:
+// the same values either way (up to the GEMM's summation order).
+void linear_fp8_silu_and_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& weight_scale_inv) {
+  const char* op = "linear_fp8_silu_and_mul";
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "qwen3_kernels.", op, ": the CUDA kernel runs "
+              "bfloat16 activations, got ", c10::toString(x.scalar_type()));
+  const int64_t m = x.size(0), k = x.size(1), two_i = weight.size(0);
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (m == 1) {
+    check_launch(qwen3_kernels::linear_fp8_silu_and_mul(out.data_ptr(), x.data_ptr(),
+                                                        weight.data_ptr(),
+                                                        weight_scale_inv.data_ptr<float>(), two_i,
+                                                        k, stream()),
+                 op);
+    return;
+  }
+  at::Tensor gate_up = at::empty({m, two_i}, x.options());
+  linear_fp8(gate_up, x, weight, weight_scale_inv, std::nullopt);
+  check_launch(qwen3_kernels::silu_and_mul(out.data_ptr(), gate_up.data_ptr(), m, two_i / 2,
+                                           out.stride(0), gate_up.stride(0), DType::kBFloat16,
+                                           stream()),
+               op);
+}
+
 // ---- sample_tokens ------------------------------------------------------------------------------
 
 void sample_tokens(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperatures,
@@ -479,6 +506,7 @@ TORCH_LIBRARY_IMPL(qwen3_kernels, CUDA, m) {
   m.impl("linear_silu_and_mul", &linear_silu_and_mul);
   m.impl("quantize_fp8", &quantize_fp8);
   m.impl("linear_fp8", &linear_fp8);
+  m.impl("linear_fp8_silu_and_mul", &linear_fp8_silu_and_mul);
   m.impl("rms_norm_fp8", &rms_norm_fp8);
   m.impl("fused_add_rms_norm_fp8", &fused_add_rms_norm_fp8);
   m.impl("silu_and_mul_fp8", &silu_and_mul_fp8);

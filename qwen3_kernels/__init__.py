@@ -20,6 +20,7 @@ from .ops import (
     has_cuda_kernels,
     fp8_scales_buffer,
     linear_fp8,
+    linear_fp8_silu_and_mul,
     linear_silu_and_mul,
     quantize_fp8,
     paged_attention_decode,
@@ -41,7 +42,7 @@ from .ops import (
 __all__ = [
     "BATCH_INVARIANT_MAX_CONTEXT", "MAX_DECODE_SPLITS", "cuda_kernels_import_error", "decode_workspace", "fp8_scales_buffer",
     "fused_add_rms_norm", "fused_add_rms_norm_fp8", "has_cuda_kernels", "linear", "linear_fp8",
-    "linear_silu_and_mul",
+    "linear_fp8_silu_and_mul", "linear_silu_and_mul",
     "paged_attention_decode", "paged_attention_prefill", "qk_norm_rope", "quantize_fp8",
     "reference", "rms_norm", "rms_norm_fp8", "sample_tokens", "silu_and_mul",
     "silu_and_mul_fp8", "tp_all_reduce",

@@ -78,6 +78,10 @@ SCHEMAS = {
         "linear_fp8(Tensor! out, Tensor x, Tensor weight, Tensor weight_scale_inv, "
         "Tensor? x_scales=None) -> ()"
     ),
+    "linear_fp8_silu_and_mul": (
+        "linear_fp8_silu_and_mul(Tensor! out, Tensor x, Tensor weight, Tensor weight_scale_inv) "
+        "-> ()"
+    ),
     "rms_norm_fp8": (
         "rms_norm_fp8(Tensor! out, Tensor! x_scales, Tensor x, Tensor weight, float eps) -> ()"
     ),
@@ -767,6 +771,30 @@ def _check_quantized_x(op, xq, x_scales):
                   f"of 4 (fp8_scales_buffer's layout), got strides {x_scales.stride()}")
 
 
+def _check_fp8_weight(op, checked, x, weight, weight_scale_inv, rows: str,
+                      rows_multiple: int) -> tuple[int, int]:
+    """The checks linear_fp8 and linear_fp8_silu_and_mul share: weight [N, K] float8_e4m3fn and
+    its fp32 block scales [ceil(N/128), ceil(K/128)], contiguous, on x's device; K of x; K a
+    multiple of 16 and N of ``rows_multiple``. ``rows`` names N in the messages. -> (N, K)."""
+    if checked:
+        _check_tensor(op, "weight", weight, ndim=2, dtype=torch.float8_e4m3fn, device=x.device)
+        _check_tensor(op, "weight_scale_inv", weight_scale_inv, ndim=2, dtype=torch.float32,
+                      device=x.device)
+        _check_contiguous(op, "weight", weight)
+        _check_contiguous(op, "weight_scale_inv", weight_scale_inv)
+    n, k = weight.shape
+    if x.shape[1] != k:
+        _fail(op, f"x is [T, {x.shape[1]}] but weight is [{rows}, {k}]: inner dims differ")
+    if k % 16 or n % rows_multiple:
+        _fail(op, f"K ({k}) must be a multiple of 16 and {rows} ({n}) of {rows_multiple} "
+                  "(16-byte aligned rows)")
+    blocks = (-(-n // FP8_GROUP), -(-k // FP8_GROUP))
+    if tuple(weight_scale_inv.shape) != blocks:
+        _fail(op, f"weight_scale_inv must have shape {blocks} (one scale per 128 x 128 block of "
+                  f"the [{n}, {k}] weight), got {tuple(weight_scale_inv.shape)}")
+    return n, k
+
+
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                out: torch.Tensor | None = None,
                x_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -790,20 +818,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         else:
             _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
             _check_contiguous(op, "x", x)
-        _check_tensor(op, "weight", weight, ndim=2, dtype=torch.float8_e4m3fn, device=x.device)
-        _check_tensor(op, "weight_scale_inv", weight_scale_inv, ndim=2, dtype=torch.float32,
-                      device=x.device)
-        _check_contiguous(op, "weight", weight)
-        _check_contiguous(op, "weight_scale_inv", weight_scale_inv)
-    n, k = weight.shape
-    if x.shape[1] != k:
-        _fail(op, f"x is [T, {x.shape[1]}] but weight is [N, {k}]: inner dims differ")
-    if k % 16 or n % 8:
-        _fail(op, f"K ({k}) must be a multiple of 16 and N ({n}) of 8 (16-byte aligned rows)")
-    blocks = (-(-n // FP8_GROUP), -(-k // FP8_GROUP))
-    if tuple(weight_scale_inv.shape) != blocks:
-        _fail(op, f"weight_scale_inv must have shape {blocks} (one scale per 128 x 128 block of "
-                  f"the [{n}, {k}] weight), got {tuple(weight_scale_inv.shape)}")
+    n, k = _check_fp8_weight(op, checked, x, weight, weight_scale_inv, "N", 8)
     if out is None:
         out = torch.empty(x.shape[0], n, dtype=torch.bfloat16 if quantized else x.dtype,
                           device=x.device)
@@ -821,6 +836,32 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
         _run(op, ok, out, x, weight, weight_scale_inv, x_scales)
     else:
         _run(op, _fp8_kernel_ok(x), out, x, weight, weight_scale_inv)
+    return out
+
+
+def linear_fp8_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                            weight_scale_inv: torch.Tensor,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K], weight [2I, K] float8_e4m3fn (gate rows, then up rows) with weight_scale_inv
+    [ceil(2I/128), ceil(K/128)] -> out [T, I] = silu_and_mul(linear_fp8(x, weight,
+    weight_scale_inv)) in x's dtype (reference.linear_fp8_silu_and_mul). The FP8 MLP's gate_up
+    projection and its activation: on Hopper with bf16 x one token runs one pass of the FP8 GEMV
+    that never writes the [1, 2I] product; more tokens run linear_fp8 and then silu_and_mul.
+    K a multiple of 16, 2I of 16."""
+    op = "linear_fp8_silu_and_mul"
+    checked = not _trusted()
+    if checked:
+        _check_tensor(op, "x", x, ndim=2, dtypes=_FLOAT_DTYPES)
+        _check_contiguous(op, "x", x)
+    two_i, _ = _check_fp8_weight(op, checked, x, weight, weight_scale_inv, "2I", 16)
+    if out is None:
+        out = torch.empty(x.shape[0], two_i // 2, dtype=x.dtype, device=x.device)
+    if checked:
+        _check_tensor(op, "out", out, ndim=2, dtype=x.dtype, device=x.device)
+        _check_contiguous(op, "out", out)
+        _check_shape(op, "out", out, (x.shape[0], two_i // 2))
+        _check_aligned16(op, x=x, weight=weight, weight_scale_inv=weight_scale_inv, out=out)
+    _run(op, _fp8_kernel_ok(x), out, x, weight, weight_scale_inv)
     return out
 
 
@@ -1122,6 +1163,10 @@ def _ref_linear_fp8(out, x, weight, weight_scale_inv, x_scales=None):
         out.copy_(ref.linear_fp8_quantized(x, x_scales, weight, weight_scale_inv))
 
 
+def _ref_linear_fp8_silu_and_mul(out, x, weight, weight_scale_inv):
+    out.copy_(ref.linear_fp8_silu_and_mul(x, weight, weight_scale_inv))
+
+
 def _ref_rms_norm_fp8(out, x_scales, x, weight, eps):
     q, scales = ref.rms_norm_fp8(x, weight, eps)
     out.copy_(q)
@@ -1162,6 +1207,7 @@ _REFERENCE_IMPLS = {
     "linear_silu_and_mul": _ref_linear_silu_and_mul,
     "quantize_fp8": _ref_quantize_fp8,
     "linear_fp8": _ref_linear_fp8,
+    "linear_fp8_silu_and_mul": _ref_linear_fp8_silu_and_mul,
     "rms_norm_fp8": _ref_rms_norm_fp8,
     "fused_add_rms_norm_fp8": _ref_fused_add_rms_norm_fp8,
     "silu_and_mul_fp8": _ref_silu_and_mul_fp8,

@@ -367,6 +367,14 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
     return torch.matmul(xd, wd.t()).to(x.dtype)
 
 
+def linear_fp8_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                            weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [T, K], weight [2I, K] float8_e4m3fn (gate rows, then up rows), weight_scale_inv
+    [ceil(2I/128), ceil(K/128)] -> [T, I] = silu_and_mul(linear_fp8(x, weight, weight_scale_inv)):
+    the product rounded to x's dtype before the activation, as the unfused pair rounds it."""
+    return silu_and_mul(linear_fp8(x, weight, weight_scale_inv))
+
+
 def linear_fp8_quantized(x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
                          weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """linear_fp8 on an activation quantized already (x_fp8 [T, K] float8_e4m3fn, x_scales

@@ -310,3 +310,68 @@ def test_linear_fp8_one_token_opcheck():
         return out
 
     _check_gemv(f(x), x, w, ws)
+
+
+# ---- linear_fp8_silu_and_mul: the FP8 GEMV with silu_and_mul at its end ------------------------
+
+SILU_SHAPES = [
+    pytest.param(2 * QWEN3_INTERMEDIATE[model] // tp, QWEN3_ATTENTION[model][0],
+                 id=f"{model}-gate_up-tp{tp}")
+    for model in QWEN3_ATTENTION for tp in (1, 2)
+] + [
+    pytest.param(two_i, k, id=f"odd-{two_i}x{k}")
+    for two_i, k in [
+        (16, 16),       # one CTA, one 16-column group
+        (288, 1040),    # I = 144: the up rows start inside a 128 block; K % 128 == 16
+        (400, 4112),    # K % 256 == 16
+        (48, 12560),    # K > 4096: the ring of 256-column units
+    ]
+]
+
+
+@requires_sm90
+@pytest.mark.parametrize("two_i,k", SILU_SHAPES)
+def test_linear_fp8_silu_and_mul_is_the_unfused_pair(two_i, k):
+    """One token: bit for bit silu_and_mul(linear_fp8(x)) (each row's sums are the GEMV's, in
+    the same order; gate and up rounded to bf16 before silu_and_mul's math); more tokens run
+    that pair."""
+    w, ws = _rand_weight(two_i, k, seed=two_i + k)
+    for t in (1, 3):
+        x = _rand_x(t, k, torch.bfloat16, seed=two_i * 5 + k + t)
+        out = torch.full((t, two_i // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        assert qwen3_kernels.linear_fp8_silu_and_mul(x, w, ws, out=out) is out
+        expect = qwen3_kernels.silu_and_mul(qwen3_kernels.linear_fp8(x, w, ws))
+        assert torch.equal(out, expect), (t, (out.float() - expect.float()).abs().max().item())
+        if t == 1:  # and the unfused pair is the reference's within the GEMV's bound
+            _check_gemv(qwen3_kernels.linear_fp8(x, w, ws), x, w, ws)
+
+
+@requires_sm90
+def test_linear_fp8_silu_and_mul_nan_and_graph():
+    two_i, k = 24576, 4096  # Qwen3-8B's gate_up
+    w, ws = _rand_weight(two_i, k, seed=21)
+    x = _rand_x(1, k, torch.bfloat16, seed=22)
+    out = torch.full((1, two_i // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    qwen3_kernels.linear_fp8_silu_and_mul(x, w, ws, out=out)  # warm-up (opts in to smem)
+    with torch.cuda.graph(g):
+        qwen3_kernels.linear_fp8_silu_and_mul(x, w, ws, out=out)
+    for seed in (23, 24):
+        x.copy_(_rand_x(1, k, torch.bfloat16, seed=seed))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        expect = qwen3_kernels.silu_and_mul(qwen3_kernels.linear_fp8(x, w, ws))
+        assert torch.equal(out, expect)
+    x[0, 700] = float("nan")
+    qwen3_kernels.linear_fp8_silu_and_mul(x, w, ws, out=out)
+    assert out.isnan().all()  # as the reference: a NaN reaches every output
+
+
+@requires_sm90
+def test_linear_fp8_silu_and_mul_opcheck():
+    w, ws = _rand_weight(288, 1040, seed=25)
+    x = _rand_x(1, 1040, torch.bfloat16, seed=26)
+    out = torch.empty(1, 144, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.qwen3_kernels.linear_fp8_silu_and_mul, (out, x, w, ws),
+                          test_utils=("test_faketensor", "test_autograd_registration"))

@@ -150,13 +150,15 @@ def test_dummy_weights_for_an_fp8_config(tmp_path):
 def test_the_decoder_quantizes_in_its_norms_and_silu_above_one_token(ckpts, monkeypatch):
     """Above one token the FP8 projections get their input from rms_norm_fp8 /
     fused_add_rms_norm_fp8 / silu_and_mul_fp8 (Fp8Activation), each of which linear_fp8's own
-    quantize_fp8 would otherwise repeat; at one token the 16-bit path (the GEMV quantizes)."""
+    quantize_fp8 would otherwise repeat; at one token the 16-bit path (the GEMV quantizes), with
+    gate_up and its activation in one op (linear_fp8_silu_and_mul)."""
     import qwen3_kernels
     from tests.paged_runner import PagedRunner
 
     m8 = load_checkpoint(ckpts[0])
     calls = {}
-    for name in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+    for name in ("rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8",
+                 "linear_fp8_silu_and_mul"):
         def counted(*args, _f=getattr(qwen3_kernels, name), _n=name, **kwargs):
             calls[_n] = calls.get(_n, 0) + 1
             return _f(*args, **kwargs)
@@ -168,4 +170,4 @@ def test_the_decoder_quantizes_in_its_norms_and_silu_above_one_token(ckpts, monk
                      "silu_and_mul_fp8": layers}, calls
     calls.clear()
     runner.step(decodes=[(0, 5)])  # one token
-    assert calls == {}, calls
+    assert calls == {"linear_fp8_silu_and_mul": layers}, calls

@@ -125,3 +125,40 @@ def test_opcheck_and_compile():
         return qwen3_kernels.linear_fp8(x, w, ws)
 
     assert torch.equal(f(x), ref.linear_fp8(x, w, ws))
+
+
+def test_linear_fp8_silu_and_mul_is_linear_fp8_then_silu_and_mul():
+    x = torch.randn(3, 384, dtype=torch.bfloat16)
+    w, ws = _weight(2 * 144, 384, seed=4)  # I = 144: the up rows start inside a 128 block
+    expect = ref.silu_and_mul(ref.linear_fp8(x, w, ws))
+    assert torch.equal(ref.linear_fp8_silu_and_mul(x, w, ws), expect)
+    out = torch.full((3, 144), float("nan"), dtype=torch.bfloat16)
+    assert qwen3_kernels.linear_fp8_silu_and_mul(x, w, ws, out=out) is out
+    assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(weight=a["weight"].to(torch.bfloat16)), "weight must be"),
+    (lambda a: a.update(weight_scale_inv=a["weight_scale_inv"][:1].contiguous()),
+     "weight_scale_inv must have shape"),
+    (lambda a: a.update(x=a["x"][:, :128].contiguous()), "inner dims differ"),
+    (lambda a: a.update(x=a["x"].t().contiguous().t()), "x must be contiguous"),
+    (lambda a: a.update(weight=a["weight"][:248], weight_scale_inv=a["weight_scale_inv"][:2]),
+     r"2I \(248\) of 16"),
+    (lambda a: a.update(out=torch.empty(3, 128, dtype=torch.float16)), "out must be"),
+    (lambda a: a.update(out=torch.empty(3, 256, dtype=torch.bfloat16)), "out must have shape"),
+])
+def test_linear_fp8_silu_and_mul_refuses_bad_arguments(change, match):
+    w, ws = _weight(256, 256, seed=5)
+    args = dict(x=torch.randn(3, 256, dtype=torch.bfloat16), weight=w, weight_scale_inv=ws)
+    change(args)
+    with pytest.raises(ValueError, match=r"qwen3_kernels.linear_fp8_silu_and_mul: .*" + match):
+        qwen3_kernels.linear_fp8_silu_and_mul(**args)
+
+
+def test_linear_fp8_silu_and_mul_opcheck():
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    w, ws = _weight(256, 256, seed=6)
+    out = torch.empty(3, 128, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.qwen3_kernels.linear_fp8_silu_and_mul, (out, x, w, ws),
+                          test_utils=("test_faketensor", "test_autograd_registration"))

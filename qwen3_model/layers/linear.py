@@ -102,13 +102,15 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     """silu_and_mul(x [T, in] @ weight [2I, in]^T (+ bias [2I])) -> [T, I]; weight is gate | up.
 
     The linear_silu_and_mul op where ``_runs_op`` and there is no bias (one pass over the weight
-    at one token, cuBLAS + silu_and_mul above); ``linear`` and then silu_and_mul otherwise (FP8
-    included: linear_fp8 has no fused variant; and ``batch_invariant``: the fused one-token pass
-    rounds differently from the GEMM the other token counts run).
+    at one token, cuBLAS + silu_and_mul above), linear_fp8_silu_and_mul likewise for an FP8
+    weight; ``linear`` and then silu_and_mul otherwise (and with ``batch_invariant``: the fused
+    one-token pass rounds differently from the GEMM the other token counts run).
     """
     if batch_invariant:
         return qwen3_kernels.silu_and_mul(linear(x, weight, bias, weight_scale_inv, True))
     if weight_scale_inv is not None:
+        if bias is None and weight.shape[0] % 16 == 0:
+            return qwen3_kernels.linear_fp8_silu_and_mul(x.contiguous(), weight, weight_scale_inv)
         return qwen3_kernels.silu_and_mul(linear(x, weight, bias, weight_scale_inv))
     if bias is None and _runs_op(x, weight):
         return qwen3_kernels.linear_silu_and_mul(x.contiguous(), weight)

@@ -187,6 +187,16 @@ cudaError_t linear_fp8(void* out,                      // [M, N] bf16
                        void* workspace,  // linear_fp8_workspace_size(m, n, k) bytes, any content
                        size_t workspace_bytes, cudaStream_t stream);
 
+// out[1, I] = silu_and_mul(linear_fp8(x, w)) at one token in one pass of the FP8 GEMV (w is the
+// gate rows, then the up rows; each product rounded to bf16 before the activation, as the
+// unfused pair). x, out bf16; K % 16 == 0, 2I % 16 == 0; x, w 16-byte aligned. Above one token
+// the caller runs linear_fp8 and silu_and_mul.
+cudaError_t linear_fp8_silu_and_mul(void* out,                      // [1, I] bf16
+                                    const void* x,                  // [1, K] bf16
+                                    const void* w,                  // [2I, K] e4m3
+                                    const float* weight_scale_inv,  // [ceil(2I/128), ceil(K/128)]
+                                    int64_t two_i, int64_t k, cudaStream_t stream);
+
 // The same with x already quantized (xq e4m3 [M, K], x_scales token-contiguous: scale (t, g) at
 // x_scales[g * scale_stride + t], scale_stride >= M and a multiple of 4): the weight-streaming pass
 // up to a few tokens (linear_fp8.cu), the CUTLASS GEMM above.

@@ -26,6 +26,11 @@ struct Pair<__nv_bfloat16> {
   static __device__ __forceinline__ type from(float2 f) { return __float22bfloat162_rn(f); }
 };
 
+// silu(g) * u in fp32; __fdividef: the divisor is >= 1 (or inf, giving the right limit 0).
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  return __fdividef(g, 1.0f + __expf(-g)) * u;
+}
+
 template <typename T>
 __device__ __forceinline__ Vec8<T> silu_mul8(const Vec8<T>& gate, const Vec8<T>& up) {
   using P = Pair<T>;
@@ -36,9 +41,7 @@ __device__ __forceinline__ Vec8<T> silu_mul8(const Vec8<T>& gate, const Vec8<T>&
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 g = P::to(g2[i]), u = P::to(u2[i]);
-    // silu(g) * u; __fdividef: the divisor is >= 1 (or inf, giving the right limit 0).
-    r2[i] = P::from(make_float2(__fdividef(g.x, 1.0f + __expf(-g.x)) * u.x,
-                                __fdividef(g.y, 1.0f + __expf(-g.y)) * u.y));
+    r2[i] = P::from(make_float2(silu_mul(g.x, u.x), silu_mul(g.y, u.y)));
   }
   return r;
 }

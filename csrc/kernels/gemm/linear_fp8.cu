@@ -64,6 +64,12 @@ cudaError_t linear_fp8_quantized(void* out, const void* xq, const float* x_scale
                    workspace_bytes, stream);
 }
 
+cudaError_t linear_fp8_silu_and_mul(void* out, const void* x, const void* w,
+                                    const float* weight_scale_inv, int64_t two_i, int64_t k,
+                                    cudaStream_t stream) {
+  return fp8::gemv_silu_and_mul(out, x, w, weight_scale_inv, two_i, k, stream);
+}
+
 size_t linear_fp8_workspace_size(int64_t m, int64_t n, int64_t k) {
   return m <= 1 ? 0 : layout(m, n, k).bytes;
 }

@@ -21,6 +21,14 @@ cudaError_t gemv(void* out,             // [1, N] bf16
                  const float* w_scales, // [ceil(N/128), ceil(K/128)]
                  int64_t n, int64_t k, cudaStream_t stream);
 
+// linear_fp8_gemv.cu: the same pass over w = gate rows | up rows [2I, K], writing
+// out[i] = silu(gate_i) * up_i (each rounded to bf16 first) [1, I]. 2I % 16 == 0.
+cudaError_t gemv_silu_and_mul(void* out,              // [1, I] bf16
+                              const void* x,          // [1, K] bf16
+                              const void* w,          // [2I, K] e4m3
+                              const float* w_scales,  // [ceil(2I/128), ceil(K/128)]
+                              int64_t two_i, int64_t k, cudaStream_t stream);
+
 // linear_fp8_gemv.cu: a few tokens (T <= 16), the same weight-streaming pass with the mma's 8
 // columns as 8 tokens: x pre-quantized (quantize_fp8's xq and token-contiguous x_scales, as the
 // GEMM below takes them). tokens_gemv_fits says where it is chosen (linear_fp8.cu).

@@ -25,12 +25,12 @@
 //     Qwen3-32B's over 16 layers 190.5 / 198.3; one projection back to back 8B down 20.77 / 21.30,
 //     32B down 63.41 / 68.09, 32B qkv 20.33 / 21.37, but at K = 4096 8B qkv 11.16 / 11.05, o
 //     6.43 / 6.35, gate_up 35.52 / 35.43: hence units of 512 there (the same SASS as one unit a
-//     warp at every K). Engine, batch 1 (H100, alternating): Qwen3-32B-FP8 73.7 / 73.8 decode
-//     tok/s against 70.8 / 70.8; Qwen3-8B-FP8 270.2 / 270.0 / 269.9 against 272.2 / 272.0 /
-//     272.0, with a build whose K <= 4096 kernel did not yet compile to the same SASS (that of
-//     this file: unmeasured). Half the shared memory a warp (4 KB: units of 128 in a ring, or one
-//     of 256), which lets the next kernel's CTAs in: 8B qkv 1.16x, but o 0.78x, down 0.94x, 8B
-//     layers 1.00x, 32B layers 1.06x. Lost: x quantized before the first weight copies (the
+//     warp at every K). Engine, batch 1 (H100, alternating, one call each): Qwen3-32B-FP8 73.7 /
+//     73.8 decode tok/s against 70.8 / 70.8; Qwen3-8B-FP8, where only down (K = 12288) takes the
+//     ring, 272.4 / 272.3 against 273.3 / 273.3 (-0.3%: down's 2.6% alone does not show end to
+//     end). Half the shared memory a warp (4 KB: units of 128 in a ring, or one of 256), which
+//     lets the next kernel's CTAs in: 8B qkv 1.16x, but o 0.78x, down 0.94x, 8B layers 1.00x,
+//     32B layers 1.06x. Lost: x quantized before the first weight copies (the
 //     copies after the wait), 0.66-0.97x; the ring with the first units prefetched to L2 before
 //     the wait and copied after x, 0.99x (8B layers) and 1.03x (32B layers).
 //     Loading the mma fragments straight from global memory instead (a load instruction then
@@ -62,6 +62,13 @@
 //     25600, beside the 64 KB of units), zero-padded to whole units so the partial last group
 //     needs no branch.
 //
+// fp8::gemv_silu_and_mul (linear_fp8_silu_and_mul at one token): the same kernel over the gate |
+// up weight [2I, K], a CTA's 16 rows being 8 gate rows and the 8 up rows of the same outputs (the
+// mma's rows g and g + 8, so one lane ends with both sums of an output): it writes silu(gate) * up
+// [1, I], and the [1, 2I] product and silu_and_mul's launch are gone: Qwen3-8B-FP8 batch 1
+// 282.7 / 282.8 decode tok/s against 273.3 / 273.3 with linear_fp8 then silu_and_mul (H100, one
+// call, alternating); Qwen3-32B-FP8 73.5 against 73.4.
+//
 // fp8::gemv_tokens (T = 2..16, linear_fp8.cu picks it): the same pass with x [T, K] quantized
 // beforehand (quantize_fp8), the weight's mma fragments loaded straight from global memory
 // (ld.global.nc.L1::no_allocate, 16 bytes; 256-column stages in registers): the mma's 8 columns
@@ -80,6 +87,7 @@
 #include "qwen3_kernels/common.cuh"
 #include "qwen3_kernels/launch.cuh"
 #include "qwen3_kernels/mma.cuh"
+#include "qwen3_kernels/silu.cuh"
 #include "quantize_fp8.cuh"
 
 namespace qwen3_kernels::fp8 {
@@ -149,23 +157,27 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint32_t (&lo)[8]
 // every group up to the padded end (groups past k come out as zeros). Half a warp a group, the
 // CTA's 8 half-warps kQuantUnroll groups apart; the x and scale loads of kQuantUnroll groups are
 // issued before any arithmetic.
-template <int kThreads>
+// kTwoRows: a second weight-scale row (w_scale_row2, the block of the CTA's rows 8..15 where they
+// are not the 8 rows after its first 8) gives sc2[g] = w_scale_row2[g] * x_scale[g] as well.
+template <int kThreads, bool kTwoRows = false>
 __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
                                            const float* __restrict__ w_scale_row, int k,
                                            int groups, int padded_groups, uint16_t* xh,
-                                           float* sc) {
+                                           float* sc, const float* __restrict__ w_scale_row2 =
+                                                          nullptr, float* sc2 = nullptr) {
   constexpr int kHalfWarps = kThreads / kGroupLanes;
   const int half_warp = threadIdx.x / kGroupLanes;
   const int col_in_group = 8 * (threadIdx.x % kGroupLanes);
   for (int g0 = 0; g0 < padded_groups; g0 += kHalfWarps * kQuantUnroll) {
     uint4 v[kQuantUnroll];
-    float ws[kQuantUnroll];
+    float ws[kQuantUnroll], ws2[kQuantUnroll];
 #pragma unroll
     for (int u = 0; u < kQuantUnroll; ++u) {
       const int group = g0 + u * kHalfWarps + half_warp;
       const int col = group * kGroup + col_in_group;
       v[u] = col < k ? __ldg(reinterpret_cast<const uint4*>(x + col)) : make_uint4(0, 0, 0, 0);
       ws[u] = group < groups ? __ldg(w_scale_row + group) : 0.f;
+      if constexpr (kTwoRows) ws2[u] = group < groups ? __ldg(w_scale_row2 + group) : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < kQuantUnroll; ++u) {
@@ -179,7 +191,10 @@ __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
         e4m3x4_to_half2x2(q.x, h.x, h.y);
         e4m3x4_to_half2x2(q.y, h.z, h.w);
         *reinterpret_cast<uint4*>(xh + col) = h;
-        if (col_in_group == 0 && group < groups) sc[group] = ws[u] * scale;
+        if (col_in_group == 0 && group < groups) {
+          sc[group] = ws[u] * scale;
+          if constexpr (kTwoRows) sc2[group] = ws2[u] * scale;
+        }
       }
     }
   }
@@ -199,10 +214,11 @@ __device__ __forceinline__ int unit_offset(int r, int c) {
 // A warp's copy of rows row0 .. row0 + 15, columns kb .. kb + kUnitCols - 1 of the weight into a
 // unit: a warp instruction copies 512 contiguous bytes of one row (units of 512) or 256 of each of
 // two rows (units of 256), 16 bytes a lane. Columns at or past k (k % 16 == 0: a chunk is all in or
-// all out) and rows past n are zeros. One commit group a unit.
+// all out) and rows past n are zeros. One commit group a unit. hi_shift: the unit's rows 8..15 are
+// the weight's rows row0 + hi_shift + 8 .. + 15 (linear_fp8_silu_and_mul's up rows; 0 elsewhere).
 template <int kUnitCols>
 __device__ __forceinline__ void copy_unit(uint32_t unit, const uint8_t* w, int row0, int n, int k,
-                                          int kb, int lane) {
+                                          int kb, int lane, int hi_shift = 0) {
   constexpr int kChunksPerRow = kUnitCols / 16;
   constexpr int kRowsPerCopy = 32 / kChunksPerRow;
   const int c = lane % kChunksPerRow;
@@ -211,8 +227,9 @@ __device__ __forceinline__ void copy_unit(uint32_t unit, const uint8_t* w, int r
 #pragma unroll
   for (int i = 0; i < kRows; i += kRowsPerCopy) {
     const int r = i + lane / kChunksPerRow;
-    const bool ok = col < k && row0 + r < n;
-    cp_async_16(unit + unit_offset<kUnitCols>(r, c), ok ? src + static_cast<int64_t>(r) * k : w,
+    const int wr = r + (i >= kRows / 2 ? hi_shift : 0);  // kRowsPerCopy divides 8: i decides
+    const bool ok = col < k && row0 + wr < n;
+    cp_async_16(unit + unit_offset<kUnitCols>(r, c), ok ? src + static_cast<int64_t>(wr) * k : w,
                 ok);
   }
   cp_async_commit();
@@ -220,11 +237,11 @@ __device__ __forceinline__ void copy_unit(uint32_t unit, const uint8_t* w, int r
 
 // acc[0] (row g) and acc[1] (row g + 8) += the unit's dot products, group by group; lane (g, t)
 // takes chunks 8 h + 4 jj + t of group h (the column permutation the top of the file describes).
-// xh: x as f16 [k padded to units]; sc: [groups] weight scale * x scale.
+// xh: x as f16 [k padded to units]; sc: [groups] weight scale * x scale (sc_hi: of rows 8..15).
 template <int kUnitCols>
 __device__ __forceinline__ void compute_unit(const uint8_t* unit, int kb, int g, int t, int k,
                                              const uint16_t* xh, const float* sc,
-                                             float (&acc)[2]) {
+                                             const float* sc_hi, float (&acc)[2]) {
 #pragma unroll
   for (int h = 0; h < kUnitCols / kGroup; ++h) {
     const int group = kb / kGroup + h;
@@ -244,18 +261,22 @@ __device__ __forceinline__ void compute_unit(const uint8_t* unit, int kb, int g,
       mma_chunk(d, lo, hi, xb);
     }
     // d[0] = D[g][2t], d[2] = D[g + 8][2t]: every column of D is the same dot product
-    const float scale = sc[group];
-    acc[0] = fmaf(d[0], scale, acc[0]);
-    acc[1] = fmaf(d[2], scale, acc[1]);
+    acc[0] = fmaf(d[0], sc[group], acc[0]);
+    acc[1] = fmaf(d[2], sc_hi[group], acc[1]);
   }
 }
 
 // Grid ceil(n / 16) CTAs of kGemvWarps warps; CTA b owns rows 16 b .. 16 b + 15, warp w the units
 // w, w + kGemvWarps, ..., kRing of them in flight in its 8 KB. Dynamic shared memory:
-// [kGemvWarps x 8 KB of units][xh: units * kUnitCols f16][sc: units * kUnitCols / 128 fp32].
-template <int kUnitCols, bool kPdl>
+// [kGemvWarps x 8 KB of units][xh: units * kUnitCols f16][sc: units * kUnitCols / 128 fp32]
+// [kSilu: sc of the up rows, as many].
+// kSilu (linear_fp8_silu_and_mul; n = 2I, I % 8 == 0): grid I / 8; CTA b owns the gate rows 8 b ..
+// 8 b + 7 (its rows 0..7) and the up rows I + 8 b .. (8..15: lane (g, t) holds gate row g and up
+// row g, the mma's rows g and g + 8) and writes out[8 b .. 8 b + 7] = silu(gate) * up, each
+// rounded to bf16 first as the unfused GEMV's output would be.
+template <int kUnitCols, bool kPdl, bool kSilu = false>
 __global__ void __launch_bounds__(32 * kGemvWarps)
-    gemv_kernel(__nv_bfloat16* __restrict__ out,      // [1, n]
+    gemv_kernel(__nv_bfloat16* __restrict__ out,      // [1, n] ([1, n / 2] with kSilu)
                 const __nv_bfloat16* __restrict__ x,  // [1, k]
                 const uint8_t* __restrict__ w,        // [n, k] e4m3
                 const float* __restrict__ w_scales,   // [ceil(n / 128), ceil(k / 128)]
@@ -270,10 +291,12 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   auto* unit_bufs = reinterpret_cast<uint8_t*>(smem);
   auto* xh = reinterpret_cast<uint16_t*>(unit_bufs + kGemvWarps * kWarpStageBytes);
   auto* sc = reinterpret_cast<float*>(xh + units * kUnitCols);
+  float* sc_hi = kSilu ? sc + units * (kUnitCols / kGroup) : sc;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * kRows;
+  const int row0 = blockIdx.x * (kSilu ? kRows / 2 : kRows);
+  const int hi_shift = kSilu ? n / 2 - kRows / 2 : 0;  // up row I + 8 b + r is unit row 8 + r
   const uint8_t* ring = unit_bufs + warp * kWarpStageBytes;
   const uint32_t ring_addr = smem_addr(ring);
 
@@ -284,7 +307,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   for (int j = 0; j < kRing; ++j) {
     const int u = warp + j * kGemvWarps;
     if (u < units)
-      copy_unit<kUnitCols>(ring_addr + j * kUnitBytes, w, row0, n, k, u * kUnitCols, lane);
+      copy_unit<kUnitCols>(ring_addr + j * kUnitBytes, w, row0, n, k, u * kUnitCols, lane,
+                           hi_shift);
     else if constexpr (kRing > 1)
       cp_async_commit();
   }
@@ -295,8 +319,10 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     pdl_launch_dependents();
   }
 
-  quantize_x<32 * kGemvWarps>(x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k,
-                              groups, units * (kUnitCols / kGroup), xh, sc);
+  quantize_x<32 * kGemvWarps, kSilu>(
+      x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k, groups,
+      units * (kUnitCols / kGroup), xh, sc,
+      w_scales + static_cast<int64_t>((row0 + hi_shift + kRows / 2) / kGroup) * groups, sc_hi);
   __syncthreads();
 
   float acc[2] = {0.f, 0.f};
@@ -304,11 +330,12 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   for (int u = warp; u < units; u += kGemvWarps) {
     cp_async_wait<kRing - 1>();  // unit u has landed (the one after it may be in flight)
     __syncwarp();                // every lane's copies of it
-    compute_unit<kUnitCols>(ring + slot * kUnitBytes, u * kUnitCols, g, t, k, xh, sc, acc);
+    compute_unit<kUnitCols>(ring + slot * kUnitBytes, u * kUnitCols, g, t, k, xh, sc, sc_hi, acc);
     __syncwarp();  // every lane is done reading before the next copy overwrites
     const int next = u + kRing * kGemvWarps;
     if (next < units)
-      copy_unit<kUnitCols>(ring_addr + slot * kUnitBytes, w, row0, n, k, next * kUnitCols, lane);
+      copy_unit<kUnitCols>(ring_addr + slot * kUnitBytes, w, row0, n, k, next * kUnitCols, lane,
+                           hi_shift);
     else if constexpr (kRing > 1)
       cp_async_commit();
     slot = (slot + 1) % kRing;
@@ -319,7 +346,19 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     partial[warp][g + 8] = acc[1];
   }
   __syncthreads();
-  if (threadIdx.x < kRows && row0 + static_cast<int>(threadIdx.x) < n) {
+  if constexpr (kSilu) {
+    if (threadIdx.x < kRows / 2) {
+      float gate = 0.f, up = 0.f;
+#pragma unroll
+      for (int i = 0; i < kGemvWarps; ++i) {
+        gate += partial[i][threadIdx.x];
+        up += partial[i][threadIdx.x + kRows / 2];
+      }
+      out[row0 + threadIdx.x] = __float2bfloat16_rn(
+          silu_mul(__bfloat162float(__float2bfloat16_rn(gate)),
+                   __bfloat162float(__float2bfloat16_rn(up))));
+    }
+  } else if (threadIdx.x < kRows && row0 + static_cast<int>(threadIdx.x) < n) {
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < kGemvWarps; ++i) sum += partial[i][threadIdx.x];
@@ -465,10 +504,10 @@ __global__ void __launch_bounds__(32 * kWarps)
   if constexpr (kPdl) pdl_launch_dependents();
 }
 
-size_t smem_bytes(int64_t k, int unit_cols) {
+size_t smem_bytes(int64_t k, int unit_cols, bool silu) {
   const int64_t units = (k + unit_cols - 1) / unit_cols;
   return static_cast<size_t>(kGemvWarps * kWarpStageBytes + units * unit_cols * 2 +
-                             units * (unit_cols / kGroup) * 4);
+                             (silu ? 2 : 1) * units * (unit_cols / kGroup) * 4);
 }
 
 // Above 48 KB of shared memory (the one-token kernel's units alone are 64 KB) a kernel must opt
@@ -492,34 +531,53 @@ cudaError_t allow_all_smem(const void* kernel, std::atomic<bool> (&done)[kMaxDev
   return cudaSuccess;
 }
 
-}  // namespace
-
-cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales, int64_t n,
-                 int64_t k, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  // k == 0 would leave out unwritten (an empty sum is 0, but nothing here writes it)
-  if (n < 0 || k <= 0 || n % 8 || k % 16 || n > (int64_t{1} << 30) || k > (int64_t{1} << 20) ||
-      !aligned16(x) || !aligned16(w) || w_scales == nullptr)
-    return cudaErrorInvalidValue;
+// The one-token launch, plain or with silu_and_mul (n = 2I rows in; grid I / 8 then).
+template <bool kSilu>
+cudaError_t launch_gemv(void* out, const void* x, const void* w, const float* w_scales, int64_t n,
+                        int64_t k, cudaStream_t stream) {
   // Units of 512 columns where each warp's share of K is at most one (K <= 4096: nothing to
   // pipeline), else a ring of two units of 256 so that a warp's next copy is in flight while it
   // multiplies (see the top of the file).
   const bool wide = k <= kGemvWarps * 512;
-  const size_t smem = smem_bytes(k, wide ? 512 : 256);
-  const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
+  const size_t smem = smem_bytes(k, wide ? 512 : 256, kSilu);
+  const int64_t rows_per_cta = kSilu ? kRows / 2 : kRows;
+  const dim3 grid(static_cast<unsigned>(((kSilu ? n / 2 : n) + rows_per_cta - 1) / rows_per_cta));
   auto* o = static_cast<__nv_bfloat16*>(out);
   auto* xb = static_cast<const __nv_bfloat16*>(x);
   auto* wb = static_cast<const uint8_t*>(w);
   const int ni = static_cast<int>(n), ki = static_cast<int>(k);
   const bool pdl = current_device_info().cc_major >= 9;
-  auto kernel = wide ? (pdl ? gemv_kernel<512, true> : gemv_kernel<512, false>)
-                     : (pdl ? gemv_kernel<256, true> : gemv_kernel<256, false>);
+  auto kernel = wide ? (pdl ? gemv_kernel<512, true, kSilu> : gemv_kernel<512, false, kSilu>)
+                     : (pdl ? gemv_kernel<256, true, kSilu> : gemv_kernel<256, false, kSilu>);
   static std::atomic<bool> allowed[2][2][kMaxDevices];
   const cudaError_t err =
       allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[wide][pdl]);
   if (err != cudaSuccess) return err;
   return launch_ex(kernel, LaunchConfig(grid, dim3(32 * kGemvWarps), smem, stream, pdl, 1), o, xb,
                    wb, w_scales, ni, ki);
+}
+
+// k == 0 would leave out unwritten (an empty sum is 0, but nothing here writes it)
+bool gemv_args_ok(const void* x, const void* w, const float* w_scales, int64_t n, int64_t k) {
+  return n >= 0 && k > 0 && n % 8 == 0 && k % 16 == 0 && n <= (int64_t{1} << 30) &&
+         k <= (int64_t{1} << 20) && aligned16(x) && aligned16(w) && w_scales != nullptr;
+}
+
+}  // namespace
+
+cudaError_t gemv(void* out, const void* x, const void* w, const float* w_scales, int64_t n,
+                 int64_t k, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (!gemv_args_ok(x, w, w_scales, n, k)) return cudaErrorInvalidValue;
+  return launch_gemv<false>(out, x, w, w_scales, n, k, stream);
+}
+
+cudaError_t gemv_silu_and_mul(void* out, const void* x, const void* w, const float* w_scales,
+                              int64_t two_i, int64_t k, cudaStream_t stream) {
+  if (two_i == 0) return cudaSuccess;
+  // whole CTAs of 8 gate and 8 up rows, so no row check is needed (and no CTA straddles the two)
+  if (!gemv_args_ok(x, w, w_scales, two_i, k) || two_i % 16) return cudaErrorInvalidValue;
+  return launch_gemv<true>(out, x, w, w_scales, two_i, k, stream);
 }
 
 bool tokens_gemv_fits(int64_t t, int64_t n) {

@@ -300,18 +300,19 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   const uint8_t* ring = unit_bufs + warp * kWarpStageBytes;
   const uint32_t ring_addr = smem_addr(ring);
 
-  // The weight is no kernel's output: the first units stream in while the kernel before
-  // finishes and while x is quantized. In a ring, past the warp's last unit an empty group keeps
-  // the count of groups the waits below rely on (a ring of one waits for all).
-#pragma unroll
-  for (int j = 0; j < kRing; ++j) {
-    const int u = warp + j * kGemvWarps;
+  // Unit u into ring slot s; in a ring, past the warp's last unit an empty group keeps the count
+  // of groups the waits below rely on (a ring of one waits for all).
+  const auto copy_or_commit = [&](int u, int s) {
     if (u < units)
-      copy_unit<kUnitCols>(ring_addr + j * kUnitBytes, w, row0, n, k, u * kUnitCols, lane,
+      copy_unit<kUnitCols>(ring_addr + s * kUnitBytes, w, row0, n, k, u * kUnitCols, lane,
                            hi_shift);
     else if constexpr (kRing > 1)
       cp_async_commit();
-  }
+  };
+  // The weight is no kernel's output: the first units stream in while the kernel before
+  // finishes and while x is quantized.
+#pragma unroll
+  for (int j = 0; j < kRing; ++j) copy_or_commit(warp + j * kGemvWarps, j);
   if constexpr (kPdl) {
     pdl_wait();  // x may be the previous kernel's output, out its input
     // The next kernel may launch now: its griddepcontrol.wait still waits for this whole grid,
@@ -332,12 +333,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     __syncwarp();                // every lane's copies of it
     compute_unit<kUnitCols>(ring + slot * kUnitBytes, u * kUnitCols, g, t, k, xh, sc, sc_hi, acc);
     __syncwarp();  // every lane is done reading before the next copy overwrites
-    const int next = u + kRing * kGemvWarps;
-    if (next < units)
-      copy_unit<kUnitCols>(ring_addr + slot * kUnitBytes, w, row0, n, k, next * kUnitCols, lane,
-                           hi_shift);
-    else if constexpr (kRing > 1)
-      cp_async_commit();
+    copy_or_commit(u + kRing * kGemvWarps, slot);
     slot = (slot + 1) % kRing;
   }
 

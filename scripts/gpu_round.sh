@@ -3,6 +3,9 @@
 #
 #   bash scripts/gpu_round.sh                      # everything
 #   TESTS="tests/test_elementwise_cuda.py" BENCH="bench_elementwise.py" bash scripts/gpu_round.sh
+#   TESTS="tests/test_linear_cuda.py@T1 @ring:tests/test_fp8_gemv_cuda.py" ...  # FILE@EXPR: FILE
+#                         # -k EXPR ('+' for spaces); @NAME:FILE: .prebuilt/NAME's own tests/FILE
+#                         # on its packages and extension (see ENGINE's @NAME below)
 #   TESTS=none BENCH=none ENGINE=none bash scripts/gpu_round.sh  # build only
 #   SKIP_BUILD=1 ...                               # reuse the build of an earlier call
 #   (a matching extension in .prebuilt/, from scripts/prebuild.sh on a CPU machine and carried
@@ -97,24 +100,48 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 [ $built = 1 ] || check_extension || exit 1
 
+# .prebuilt/NAME's Python packages with its extension in a folder of their own (once): its path.
+variant_dir() {
+  local name=$1 dir="${TMPDIR:-/tmp}/qwen3_variants/$1" h tv arch so
+  [ -f ".prebuilt/$name.py.tar.xz" ] && [ -f ".prebuilt/$name.so.xz" ] || return 1
+  if [ ! -d "$dir" ]; then
+    read -r h tv arch so < ".prebuilt/$name.sources" || return 1
+    mkdir -p "$dir" && tar -C "$dir" -xJf ".prebuilt/$name.py.tar.xz" &&
+      unxz_to ".prebuilt/$name.so.xz" "$dir/qwen3_kernels/$so" || { rm -rf "$dir"; return 1; }
+  fi
+  echo "$dir"
+}
+
+# run_tests SPEC LOG [LABEL]: one pytest process for a TESTS entry (FILE, FILE@EXPR,
+# @NAME:FILE[@EXPR]), its output appended to LOG, its summary (LABEL after SPEC) on stdout.
+# @NAME:FILE runs in NAME's folder, on NAME's own tests/ (python -m pytest puts the working
+# directory ahead of PYTHONPATH, so a PYTHONPATH alone would test this tree's packages).
+run_tests() {
+  local f=$1 log=$2 label=${3:-} dir=. start=$(date +%s) kexpr=() k name rc
+  if [[ "$f" == @*:* ]]; then
+    name=${f%%:*}; name=${name#@}; f=${f#*:}
+    dir=$(variant_dir "$name") || { echo "tests $1: no usable .prebuilt/$name.*: skipped"; return; }
+  fi
+  if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
+  # faulthandler_timeout (built into pytest) dumps every thread's stack when one test runs past
+  # TEST_TIMEOUT, so a hang shows where it is; FILE_TIMEOUT then kills the file's process.
+  (cd "$dir" && timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
+     -o faulthandler_timeout=${TEST_TIMEOUT:-300} -p no:cacheprovider "$f" "${kexpr[@]}" \
+     ${PYTEST_ARGS:-}) >> "$log" 2>&1
+  rc=$?
+  echo "tests $1$label: rc=$rc $(grep -E '(passed|failed|error)' "$log" | tail -1)" \
+    "($(( $(date +%s) - start )) s)"
+}
 TESTS=${TESTS:-$(ls tests/test_*cuda*.py | tr '\n' ' ')}
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "${PARALLEL:-0}" = 1 ] && [ "$NGPU" -ge 2 ] && [ "$TESTS" != none ]; then
   # tests in the background on GPUs 0..N-2, benchmarks below on GPU N-1: they never share a GPU
   : > "$OUT/tests.log"
   i=0
-  for f in $TESTS; do  # FILE@EXPR runs FILE -k EXPR ('+' for spaces): a big file as several shards
+  for f in $TESTS; do  # FILE@EXPR: a big file as several shards
     gpu=$(( i % (NGPU - 1) )); i=$(( i + 1 ))
-    log="$OUT/.tests_$i.log"
-    kexpr=()
-    if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
-    ( start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=$gpu timeout "${FILE_TIMEOUT:-900}" \
-        python3 -m pytest -q -rf --maxfail=25 -o faulthandler_timeout=${TEST_TIMEOUT:-300} \
-        -p no:cacheprovider "$f" "${kexpr[@]}" ${PYTEST_ARGS:-} > "$log" 2>&1
-      rc=$?
-      echo "tests $f ${kexpr[*]} (GPU $gpu): rc=$rc $(grep -E '(passed|failed|error)' "$log" \
-        | tail -1) ($(( $(date +%s) - start )) s)" >> "$log.sum" ) &
+    CUDA_VISIBLE_DEVICES=$gpu run_tests "$f" "$OUT/.tests_$i.log" " (GPU $gpu)" \
+      > "$OUT/.tests_$i.log.sum" &
   done
   TESTS=none
   export CUDA_VISIBLE_DEVICES=$(( NGPU - 1 ))
@@ -123,19 +150,7 @@ fi
 if [ "$TESTS" != none ]; then
   # One pytest process per file: a crash in one file cannot hide the others' results.
   : > "$OUT/tests.log"
-  for f in $TESTS; do  # FILE@EXPR runs FILE -k EXPR ('+' for spaces), as above
-    start=$(date +%s)
-    kexpr=()
-    if [[ "$f" == *@* ]]; then k="${f#*@}"; kexpr=(-k "${k//+/ }"); f="${f%%@*}"; fi
-    # faulthandler_timeout (built into pytest) dumps every thread's stack when one test runs past
-    # TEST_TIMEOUT, so a hang shows where it is; FILE_TIMEOUT then kills the file's process.
-    timeout "${FILE_TIMEOUT:-900}" python3 -m pytest -q -rf --maxfail=25 \
-      -o faulthandler_timeout=${TEST_TIMEOUT:-300} -p no:cacheprovider "$f" "${kexpr[@]}" \
-      ${PYTEST_ARGS:-} >> "$OUT/tests.log" 2>&1
-    rc=$?
-    echo "tests $f ${kexpr[*]}: rc=$rc $(grep -E '(passed|failed|error)' "$OUT/tests.log" \
-      | tail -1) ($(( $(date +%s) - start )) s)"
-  done
+  for f in $TESTS; do run_tests "$f" "$OUT/tests.log"; done
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
 
@@ -160,18 +175,6 @@ if [ "${BG_TESTS:-0}" = 1 ]; then
   rm -f "$OUT"/.tests_*.log "$OUT"/.tests_*.log.sum
   grep -E "^FAILED|^ERROR|Segmentation|Fatal" "$OUT/tests.log" | head -40
 fi
-
-# .prebuilt/NAME's Python packages with its extension in a folder of their own (once): its path.
-variant_dir() {
-  local name=$1 dir="${TMPDIR:-/tmp}/qwen3_variants/$1" h tv arch so
-  [ -f ".prebuilt/$name.py.tar.xz" ] && [ -f ".prebuilt/$name.so.xz" ] || return 1
-  if [ ! -d "$dir" ]; then
-    read -r h tv arch so < ".prebuilt/$name.sources" || return 1
-    mkdir -p "$dir" && tar -C "$dir" -xJf ".prebuilt/$name.py.tar.xz" &&
-      unxz_to ".prebuilt/$name.so.xz" "$dir/qwen3_kernels/$so" || { rm -rf "$dir"; return 1; }
-  fi
-  echo "$dir"
-}
 
 # Engine throughput (benchmarks/bench_engine.py): the nano-vllm workload at real shapes, random
 # weights; the defaults (scheduling_policy "auto"), first come first served, and batch 1.

@@ -7,12 +7,14 @@
 #
 # writes .prebuilt/NAME.so.xz (the extension, host debug info stripped: ~1.5 MB),
 # .prebuilt/NAME.sources (what it was built from: a hash of SOURCE_TREE's csrc/ and setup.py, the
-# torch version, the target) and .prebuilt/NAME.py.tar.xz (SOURCE_TREE's Python packages).
+# torch version, the target) and .prebuilt/NAME.py.tar.xz (SOURCE_TREE's Python packages and
+# tests/).
 # SOURCE_TREE defaults to this checkout; any worktree works (another branch's kernels for an A/B).
 # .prebuilt/ is git-ignored: name it in the device call's `carry`. scripts/gpu_round.sh then takes
 # a prebuilt extension whose hash and torch version match the tree it runs in, instead of building
 # (and builds as before when none matches or it does not load); an ENGINE run written "@NAME ..."
-# runs NAME's packages and extension (an A/B of two branches in one call).
+# runs NAME's packages and extension (an A/B of two branches in one call), and a TESTS entry
+# "@NAME:FILE" NAME's own tests on them.
 #
 # PY must match the GPU machine's Python and torch exactly (there: Python 3.12, torch
 # 2.11.0+cu130): a venv with that torch wheel and its CUDA libraries (torch imports them), the
@@ -48,7 +50,7 @@ with open(sys.argv[1], "rb") as f, lzma.open(sys.argv[2], "wb", preset=6) as g:
     shutil.copyfileobj(f, g)
 EOF
 tar -C "$src" -cJf "$out/$name.py.tar.xz" --exclude=__pycache__ --exclude='*.so' \
-  qwen3_kernels qwen3_model
+  qwen3_kernels qwen3_model tests
 torch_version="$("$py" -c 'import torch; print(torch.__version__)')"
 echo "$(bash "$root/scripts/sources_hash.sh" "$src") $torch_version $(echo $arch | tr ' ' ',')" \
   "$(basename "$so")" \

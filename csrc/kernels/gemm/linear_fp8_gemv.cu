@@ -30,9 +30,9 @@
 //     ring, 272.4 / 272.3 against 273.3 / 273.3 (-0.3%: down's 2.6% alone does not show end to
 //     end). Half the shared memory a warp (4 KB: units of 128 in a ring, or one of 256), which
 //     lets the next kernel's CTAs in: 8B qkv 1.16x, but o 0.78x, down 0.94x, 8B layers 1.00x,
-//     32B layers 1.06x. Lost: x quantized before the first weight copies (the
-//     copies after the wait), 0.66-0.97x; the ring with the first units prefetched to L2 before
-//     the wait and copied after x, 0.99x (8B layers) and 1.03x (32B layers).
+//     32B layers 1.06x. Lost: x quantized before the first weight copies (the copies after the
+//     wait), 0.66-0.97x; the ring with the first units prefetched to L2 before the wait and
+//     copied after x, 0.99x (8B layers) and 1.03x (32B layers).
 //     Loading the mma fragments straight from global memory instead (a load instruction then
 //     covers 64 bytes of each of 8 rows; two 256-column stages of registers a warp, 4 or 8 warps)
 //     streamed slower on every 8B shape (bench_linear_fp8.py -k "decode and T1", H100, us, the

@@ -92,8 +92,8 @@ __global__ void silu_and_mul_flat_kernel(T* __restrict__ out,      // [T, I], ro
                                          int64_t x_stride, uint32_t total_vecs,
                                          FastDiv vecs_per_row) {
   if constexpr (kPdl) {
+    pdl_launch_dependents();  // the next kernel's own wait waits for this grid
     pdl_wait();  // x may be the previous kernel's output
-    pdl_launch_dependents();
   }
   const uint32_t step = gridDim.x * blockDim.x * kVecs;
   for (uint32_t base = blockIdx.x * blockDim.x * kVecs + threadIdx.x; base < total_vecs;

@@ -67,8 +67,10 @@ __device__ __forceinline__ void rms_norm_vec_row(T* __restrict__ out,         //
   const T* xr = x + row * x_stride;
   T* rr = kAdd ? residual + row * residual_stride : nullptr;
   if constexpr (kPdl) {
-    pdl_wait();  // x / residual may be the previous kernel's output
+    // The next kernel may launch before this one's wait (its own wait still waits for this whole
+    // grid): a GEMV after the norm then streams its weight while the GEMV before drains.
     pdl_launch_dependents();
+    pdl_wait();  // x / residual may be the previous kernel's output
   }
 
   Vec8<T> v[kVecs], w[kVecs];

@@ -152,9 +152,10 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(
     int64_t qkv_stride, int num_q_heads, int num_kv_heads, float eps, float inv_k_scale,
     float inv_v_scale) {
   // Launched with PDL on sm_90 (launch_item): scheduled while the QKV GEMM drains, and nothing is
-  // read before it has finished. No-ops for a plain launch.
-  pdl_wait();
+  // read before it has finished; the attention after it may launch at once (its own wait waits
+  // for this grid). No-ops for a plain launch.
   pdl_launch_dependents();
+  pdl_wait();
   const uint32_t num_heads = num_q_heads + 2 * num_kv_heads;
   const int lane = threadIdx.x % kLanesPerItem;
   // 32-bit item indices (the launcher keeps num_items < 2^31): the token / head split below is a
@@ -325,8 +326,10 @@ __global__ void __launch_bounds__(kTokenMaxThreads, 4) qk_norm_rope_token_kernel
   const int num_groups = blockDim.x / kLanesPerItem;  // >= heads / kHeadsPerThread (launcher)
   const int64_t token = blockIdx.x;
   if constexpr (kPdl) {
-    pdl_wait();  // qkv is the previous kernel's output
+    // The attention may launch at once (its own wait waits for this grid), and the kernels after
+    // it in turn: o_proj's weight then streams during this chain.
     pdl_launch_dependents();
+    pdl_wait();  // qkv is the previous kernel's output
   }
 
   // Issue order: the position first (the cos/sin fetch waits on it), then every qkv load, then

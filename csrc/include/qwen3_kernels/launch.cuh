@@ -15,6 +15,11 @@ namespace qwen3_kernels {
 // while its predecessor still runs; pdl_wait() blocks until that predecessor has finished and its
 // writes are visible, so nothing that reads or writes tensor memory may come before it. Both are
 // no-ops without PDL and compile to nothing for sm_80.
+// pdl_launch_dependents() lets the next kernel be scheduled; its own pdl_wait() still waits for
+// this whole grid (and so, transitively, for the grids before it). The small kernels between the
+// GEMVs call it before their wait, so the launches cascade through them: a GEMV is resident and
+// streams its weight (which no kernel writes) while the chain before it still runs. A GEMV calls
+// it after its wait, which ends the cascade there.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

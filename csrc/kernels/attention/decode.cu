@@ -779,8 +779,9 @@ template <typename T, typename KV, bool kSplit, typename S, bool kLoop = false,
 __global__ void __launch_bounds__(S::kThreads)
     paged_decode_kernel(const DecodeParams p, const CtaGroups groups) {
   extern __shared__ __align__(16) unsigned char smem[];
-  if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
+  // The combine (or o_proj) may launch at once: its own wait waits for this grid.
   if (kSplit || p.pdl) pdl_launch_dependents();
+  if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
   if constexpr (kAloneFast) {
     if (groups.first == nullptr) {  // (a CTA of several rows keeps the loop)
       const int len = max(0, min(p.seq_lens[blockIdx.z], p.ctx_cap));

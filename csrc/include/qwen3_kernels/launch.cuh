@@ -13,8 +13,10 @@ namespace qwen3_kernels {
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may be scheduled
 // while its predecessor still runs; pdl_wait() blocks until that predecessor has finished and its
-// writes are visible, so nothing that reads or writes tensor memory may come before it. Both are
-// no-ops without PDL and compile to nothing for sm_80.
+// writes are visible, so nothing that reads or writes tensor memory may come before it, but for
+// what no kernel of the package writes, each stated at its kernel: a GEMV's weight loads, paged
+// decode's seq_lens and block-table reads (and its L2 prefetches, which only warm the cache). Both
+// are no-ops without PDL and compile to nothing for sm_80.
 // pdl_launch_dependents() lets the next kernel be scheduled; its own pdl_wait() still waits for
 // this whole grid (and so, transitively, for the grids before it). The small kernels between the
 // GEMVs call it before their wait, so the launches cascade through them: a GEMV is resident and

@@ -51,8 +51,9 @@
 //   split shape (the batch needs splits): w8s3c1 = 8 warps x 3 stages (192 KB, 1 CTA per SM) in
 //     chunks of one tile per warp, interleaved splits, the one-round-trip combine kernel (all of a
 //     (b, h)'s partials loaded at once instead of a loop of dependent loads) and PDL on the main
-//     kernel too (it waits for the previous kernel at its first instruction, so only its launch
-//     overlaps the previous kernel's tail). A GPU without 192 KB of shared memory per CTA (A100)
+//     kernel too: before its wait it reads seq_lens and its first block ids and prefetches its
+//     first K / V tiles into L2 (decode_split, kWaitInside), which overlaps qk_norm_rope, whose
+//     trigger comes first (launch.cuh). A GPU without 192 KB of shared memory per CTA (A100)
 //     runs the split shape's choices on w4s3.
 //   batch-invariant (batch_invariant=true): a sequence of at most kDecodeInvariantSplitKeys keys
 //     runs in the prefill kernels' per-row order (decode_prefill_order.cu, where
@@ -360,6 +361,11 @@ __device__ __forceinline__ float combine_finish(const float4* red, int d, float 
 
 // ---- main kernel --------------------------------------------------------------------------------
 
+// Asks L2 for the 128-byte line at ptr (no register, no L1 line; a hint the memory system may drop).
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr));
+}
+
 // S::kThreads threads, S::kSmemBytes of dynamic smem (the kernel is paged_decode_kernel below).
 // Keep this loop free of code it does not run: with a merge step compiled into the split kernel
 // (not run), ptxas scheduled the main loop differently and B=1 ctx 32k went from 37.8 to 43.7 us
@@ -371,7 +377,14 @@ __device__ __forceinline__ float combine_finish(const float4* red, int d, float 
 // blockIdx.z without groups.first), each masked at its own length. A row's arithmetic is the same
 // whoever shares the CTA: a tile past its length only multiplies its state by 2^0 and adds zeros,
 // and a state that has seen no key stays (-inf, 0, 0), as for a warp that read nothing.
-template <typename T, typename KV, bool kSplit, typename S, bool kMulti = false>
+// kWaitInside (the PDL launch of the default path): the kernel has not waited for the kernel
+// before; this function waits (p.pdl) before its first read of q or K/V into shared memory and
+// before any write, and until then reads only seq_lens and the block table (which no kernel of
+// the package writes) and prefetches its first K / V tiles into L2 (a hint: L2 is where the
+// writes of the kernel before land, so a line it writes later is read fresh after the wait).
+// Every CTA waits, also one that returns early, so the grid ends after the one before it.
+template <typename T, typename KV, bool kSplit, typename S, bool kMulti = false,
+          bool kWaitInside = false>
 __device__ __forceinline__ void decode_split(const DecodeParams& p, const int split,
                                              unsigned char* smem, const CtaGroups& groups) {
   constexpr bool kFp8 = std::is_same_v<KV, uint8_t>;
@@ -450,8 +463,15 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
   // condition), so a short context pays neither the partials' round trip nor the combine's.
   // (Qwen3-8B batch 1 at 384 tokens: the combine cost ~2 us a layer, 1.7% of the step.)
   const bool alone = kSplit && n_tiles <= p.chunk_tiles;
-  if (alone && (split > 0 || p.skip_alone)) return;
+  auto wait_previous = [&]() {
+    if (kWaitInside && p.pdl) pdl_wait();
+  };
+  if (alone && (split > 0 || p.skip_alone)) {
+    wait_previous();
+    return;
+  }
   if (kSplit && empty && !alone) {  // nothing to read: an empty partial, skipped by the combine
+    wait_previous();
     if (threadIdx.x < rows) {
       const int64_t bh = kMulti ? row_bh(threadIdx.x)
                                 : static_cast<int64_t>(b) * p.num_q_heads + head0 + threadIdx.x;
@@ -473,22 +493,26 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
 
   // Q as mma A fragments, 8 k-steps of 16 dims; padding rows are zero. An fp8 cache's k-steps
   // take the dims in fp8_qk's order (the same permutation for Q and K: the same dot products).
-  const T* q = static_cast<const T*>(p.q) +
-               (kMulti ? 0 : (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim);
+  // Loaded after the wait (kWaitInside: after the first copies), else before them.
   uint32_t qa[8][4];
+  auto load_q = [&]() {
+    const T* q = static_cast<const T*>(p.q) +
+                 (kMulti ? 0 : (static_cast<int64_t>(b) * p.num_q_heads + head0) * kHeadDim);
 #pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
+    for (int ks = 0; ks < 8; ++ks) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = g + (r & 1) * 8;
-      const int col = kFp8 ? fp8_dim(ks, r >> 1, t) : ks * 16 + (r >> 1) * 8 + 2 * t;
-      const uint32_t w =
-          row < rows ? *reinterpret_cast<const uint32_t*>(
-                           q + (kMulti ? row_bh(row) * kHeadDim : row * kHeadDim) + col)
-                     : 0u;
-      qa[ks][r] = kFp8 ? fp8::to_half2<T>(w) : w;
+      for (int r = 0; r < 4; ++r) {
+        const int row = g + (r & 1) * 8;
+        const int col = kFp8 ? fp8_dim(ks, r >> 1, t) : ks * 16 + (r >> 1) * 8 + 2 * t;
+        const uint32_t w =
+            row < rows ? *reinterpret_cast<const uint32_t*>(
+                             q + (kMulti ? row_bh(row) * kHeadDim : row * kHeadDim) + col)
+                       : 0u;
+        qa[ks][r] = kFp8 ? fp8::to_half2<T>(w) : w;
+      }
     }
-  }
+  };
+  if constexpr (!kWaitInside) load_q();
 
   // Per-warp cp.async pipeline.
   uint8_t* pipe = smem + warp * S::template warp_bytes<KV>();
@@ -530,12 +554,55 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, const int sp
     }
   };
 
+  // kWaitInside: the first tiles' block ids (and the next one's) are read before the wait, and
+  // their K / V prefetched into L2, so that after it the copies find them there: at batch 1 the
+  // chain qk_norm_rope -> decode then has one L2 round trip before the first K / V byte, not the
+  // seq_lens, block-table and HBM round trips one after another. Measured (H100, one call,
+  // alternating, .prebuilt builds, bench_engine.py --batch1): Qwen3-8B-FP8 291.7 / 291.6 decode
+  // tok/s against 287.3 / 287.3, Qwen3-8B 181.2 / 181.4 against 180.8 / 180.8;
+  // benchmarks/decode_ab (CUDA-graph replays, the same bits): batch 1 at 512 / 1024 keys 4.70 /
+  // 5.53 us against 5.25 / 6.09 (bf16 cache), B=16 x 2k 45.6 against 47.2, B=1 x 32k 47.6
+  // against 49.1, the batch shapes (no PDL) within 0.3%.
+  int next_block;
+  if constexpr (kWaitInside) {
+    int first_blocks[kStages - 1];
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_mine) issue(s, block_of(s));
-    cp_async_commit();  // empty groups keep the wait_group count uniform
+    for (int s = 0; s < kStages - 1; ++s) first_blocks[s] = block_of(s);
+    next_block = block_of(kStages - 1);
+    if (p.pdl) {
+      constexpr int kLinesPerRow = kHeadDim * static_cast<int>(sizeof(KV)) / 128;
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        const int key0 = tile_of(s) * kTileKeys;
+        const int64_t base = static_cast<int64_t>(first_blocks[s]) * block_stride +
+                             static_cast<int64_t>(key0 % p.block_size) * row_stride;
+#pragma unroll
+        for (int idx = lane; idx < kTileKeys * kLinesPerRow; idx += 32) {
+          const int row = idx / kLinesPerRow;
+          const int64_t off =
+              base + row * row_stride + (idx % kLinesPerRow) * (128 / sizeof(KV));
+          if (s < n_mine && key0 + row < seq_len) {
+            prefetch_l2(k_head + off);
+            prefetch_l2(v_head + off);
+          }
+        }
+      }
+    }
+    wait_previous();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_mine) issue(s, first_blocks[s]);
+      cp_async_commit();  // empty groups keep the wait_group count uniform
+    }
+    load_q();
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_mine) issue(s, block_of(s));
+      cp_async_commit();
+    }
+    next_block = block_of(kStages - 1);
   }
-  int next_block = block_of(kStages - 1);
 
   float o[16][4];  // O accumulator: rows g and g + 8, dims 8j + 2t (+1) (fp8: see fp8_pv)
 #pragma unroll
@@ -781,7 +848,10 @@ __global__ void __launch_bounds__(S::kThreads)
   extern __shared__ __align__(16) unsigned char smem[];
   // The combine (or o_proj) may launch at once: its own wait waits for this grid.
   if (kSplit || p.pdl) pdl_launch_dependents();
-  if (p.pdl) pdl_wait();  // before any read: the previous kernel may have written q or K/V
+  // Before any read (the previous kernel may have written q or K/V); the default path waits in
+  // decode_split, after the reads that may come first (kWaitInside).
+  constexpr bool kWaitInside = !kLoop && !kAloneFast;
+  if (p.pdl && !kWaitInside) pdl_wait();
   if constexpr (kAloneFast) {
     if (groups.first == nullptr) {  // (a CTA of several rows keeps the loop)
       const int len = max(0, min(p.seq_lens[blockIdx.z], p.ctx_cap));
@@ -800,7 +870,7 @@ __global__ void __launch_bounds__(S::kThreads)
     // combine kernel's arithmetic (combine_part), so the host launches no combine.
     if (gridDim.x == 1 && p.num_splits > 1) combine_in_cta<T, S>(p, groups, smem);
   } else {
-    decode_split<T, KV, kSplit, S>(p, blockIdx.x, smem, groups);
+    decode_split<T, KV, kSplit, S, false, kWaitInside>(p, blockIdx.x, smem, groups);
   }
 }
 

@@ -50,17 +50,34 @@
 //     shared-memory word per group, computed while quantizing x). Only the summation order and
 //     the point at which the two scales multiply differ from reference.linear_fp8. The 8 warps'
 //     partial sums meet in shared memory at the end; every output is written once.
-//   - The first units are issued before griddepcontrol.wait and stay in flight while the CTA
-//     quantizes x (PDL launch on sm_90). Each CTA lets the next kernel launch right after its
-//     wait (griddepcontrol.launch_dependents; the next kernel's own wait still waits for this
-//     whole grid), so that kernel's launch and prologue overlap this one's stream: Qwen3-8B-FP8
-//     batch 1 274.6 / 274.3 decode tok/s against 269.9 / 269.9 with the trigger after the last
-//     store (H100, one call; bench_linear_fp8 T = 1, us: qkv 11.61 / 12.41, o 6.68 / 9.34,
-//     gate_up 35.73 / 36.18, down 21.61 / 22.23, where the next call's weight copies overlap).
-//   - x: each CTA reads x [1, K] (2 K bytes, from L2), quantizes it (quantize_fp8.cuh: half a
-//     warp a group) and keeps the e4m3 values as f16 in shared memory (2 K bytes; 51 KB at K =
-//     25600, beside the 64 KB of units), zero-padded to whole units so the partial last group
-//     needs no branch.
+//   - The early warps' first units (see x below) are issued before griddepcontrol.wait and stay
+//     in flight while the CTA quantizes x (PDL launch on sm_90). Each CTA lets the next kernel
+//     launch right after its wait (griddepcontrol.launch_dependents; the next kernel's own wait
+//     still waits for this whole grid), so that kernel's launch and prologue overlap this one's
+//     stream: Qwen3-8B-FP8 batch 1 274.6 / 274.3 decode tok/s against 269.9 / 269.9 with the
+//     trigger after the last store (H100, one call; bench_linear_fp8 T = 1, us: qkv 11.61 /
+//     12.41, o 6.68 / 9.34, gate_up 35.73 / 36.18, down 21.61 / 22.23, where the next call's
+//     weight copies overlap).
+//   - x: each CTA copies x [1, K] (2 K bytes, from L2) into shared memory with cp.async after the
+//     wait, quantizes it there in place (quantize_fp8.cuh: half a warp a group) and keeps the
+//     e4m3 values as f16 (2 K bytes; 51 KB at K = 25600, beside the 64 KB of units), zero-padded
+//     to whole units so the partial last group needs no branch; the weight scales of its rows
+//     come by cp.async before everything else. An SM's copies go out in the order issued, so x
+//     queues behind every weight copy issued before it: with all the first units issued before
+//     the wait, x arrived about when the weight had, and the CTA multiplied after its stream
+//     instead of during it. So only the first early_warps warps of a CTA issue their first units
+//     before the wait (about 96 KB of weight a SM, 2 warps where x is over 16 KB), the others
+//     after x's copies (early_warps() has the figures). benchmarks/linear_fp8_gemv_ab, H100, 3
+//     rounds, against the kernel that loaded x with plain loads after all the first units (us):
+//     Qwen3-8B qkv 8.73 / 11.03, o 6.13 / 6.31, gate_up 33.75 / 35.16, down 18.13 / 20.50, a
+//     layer's four 67.2 / 73.0 (no quantization at all, wrong output, bounds it at 65.4); Qwen3-
+//     32B's four 182.2 / 188.2 (bound 161.4: at K = 25600 x is 51 KB a CTA); the same output
+//     bits. Qwen3-8B-FP8 batch 1 311.8 / 311.8 decode tok/s against 291.3 / 291.2 (H100,
+//     alternating, one call). Lost, same harness: x by one bulk (TMA) copy after the wait and
+//     the scales before it, 0.894x a layer (engine 259.4 against 288.2); every warp's units
+//     after x, 8B qkv 10.43, o 8.07. Without any multiply (wrong output) the kernel before was
+//     only 6% faster a layer, and two accumulator chains a group instead of one 0.3% (branch
+//     experiment/fp8-gemv-x-first).
 //
 // fp8::gemv_silu_and_mul (linear_fp8_silu_and_mul at one token): the same kernel over the gate |
 // up weight [2I, K], a CTA's 16 rows being 8 gate rows and the 8 up rows of the same outputs (the
@@ -81,6 +98,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "linear_fp8.h"
@@ -153,36 +171,29 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint32_t (&lo)[8]
   }
 }
 
-// x [1, k] -> xh (its quantize_fp8 values as f16) and sc[g] = w_scale_row[g] * x_scale[g], for
-// every group up to the padded end (groups past k come out as zeros). Half a warp a group, the
-// CTA's 8 half-warps kQuantUnroll groups apart; the x and scale loads of kQuantUnroll groups are
-// issued before any arithmetic.
-// kTwoRows: a second weight-scale row (w_scale_row2, the block of the CTA's rows 8..15 where they
-// are not the 8 rows after its first 8) gives sc2[g] = w_scale_row2[g] * x_scale[g] as well.
+// x, already copied into xh as bf16 [k], -> its quantize_fp8 values as f16 in place, and sc[g] =
+// (the weight scale already in sc[g]) * x_scale[g], for every group up to the padded end (past k
+// the values are zeros, and the weight scales copied there are 0). Half a warp a group, the CTA's
+// 8 half-warps kQuantUnroll groups apart: a lane reads its 8 values, the half-warp finds the
+// group's max, and the lane writes its 8 quantized values back where it read them.
+// kTwoRows: sc2 (the weight scales of the CTA's rows 8..15 where they are not the 8 rows after
+// its first 8) is scaled the same way.
 template <int kThreads, bool kTwoRows = false>
-__device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
-                                           const float* __restrict__ w_scale_row, int k,
-                                           int groups, int padded_groups, uint16_t* xh,
-                                           float* sc, const float* __restrict__ w_scale_row2 =
-                                                          nullptr, float* sc2 = nullptr) {
+__device__ __forceinline__ void quantize_x_in_place(uint16_t* xh, int k, int padded_groups,
+                                                    float* sc, float* sc2) {
   constexpr int kHalfWarps = kThreads / kGroupLanes;
   const int half_warp = threadIdx.x / kGroupLanes;
   const int col_in_group = 8 * (threadIdx.x % kGroupLanes);
   for (int g0 = 0; g0 < padded_groups; g0 += kHalfWarps * kQuantUnroll) {
     uint4 v[kQuantUnroll];
-    float ws[kQuantUnroll], ws2[kQuantUnroll];
 #pragma unroll
     for (int u = 0; u < kQuantUnroll; ++u) {
-      const int group = g0 + u * kHalfWarps + half_warp;
-      const int col = group * kGroup + col_in_group;
-      v[u] = col < k ? __ldg(reinterpret_cast<const uint4*>(x + col)) : make_uint4(0, 0, 0, 0);
-      ws[u] = group < groups ? __ldg(w_scale_row + group) : 0.f;
-      if constexpr (kTwoRows) ws2[u] = group < groups ? __ldg(w_scale_row2 + group) : 0.f;
+      const int col = (g0 + u * kHalfWarps + half_warp) * kGroup + col_in_group;
+      v[u] = col < k ? *reinterpret_cast<const uint4*>(xh + col) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kQuantUnroll; ++u) {
       const int group = g0 + u * kHalfWarps + half_warp;
-      const int col = group * kGroup + col_in_group;
       const float scale =
           group_scale(bits_to_float<__nv_bfloat16>(group_max_bits(abs_max_bits8(v[u]))));
       if (group < padded_groups) {
@@ -190,14 +201,20 @@ __device__ __forceinline__ void quantize_x(const __nv_bfloat16* __restrict__ x,
         uint4 h;
         e4m3x4_to_half2x2(q.x, h.x, h.y);
         e4m3x4_to_half2x2(q.y, h.z, h.w);
-        *reinterpret_cast<uint4*>(xh + col) = h;
-        if (col_in_group == 0 && group < groups) {
-          sc[group] = ws[u] * scale;
-          if constexpr (kTwoRows) sc2[group] = ws2[u] * scale;
+        *reinterpret_cast<uint4*>(xh + group * kGroup + col_in_group) = h;
+        if (col_in_group == 0) {
+          sc[group] *= scale;
+          if constexpr (kTwoRows) sc2[group] *= scale;
         }
       }
     }
   }
+}
+
+// 4-byte global -> shared copy in the thread's current cp.async group; !valid: zero-filled.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
 }
 
 // ---- one token: fp8::gemv ---------------------------------------------------------------------
@@ -280,7 +297,8 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
                 const __nv_bfloat16* __restrict__ x,  // [1, k]
                 const uint8_t* __restrict__ w,        // [n, k] e4m3
                 const float* __restrict__ w_scales,   // [ceil(n / 128), ceil(k / 128)]
-                int n, int k) {
+                int n, int k,
+                int early_warps) {  // warps whose first units go out before the wait
   constexpr int kUnitBytes = kRows * kUnitCols;
   constexpr int kRing = kWarpStageBytes / kUnitBytes;
   static_assert(kRing == 1 || kRing == 2, "cp_async_wait below counts one or two groups");
@@ -309,21 +327,44 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     else if constexpr (kRing > 1)
       cp_async_commit();
   };
-  // The weight is no kernel's output: the first units stream in while the kernel before
-  // finishes and while x is quantized.
+  // The weight and its scales are no kernel's output: the scales (every thread's oldest group)
+  // and the early warps' first units stream in while the kernel before finishes. x, that
+  // kernel's output, is copied after the wait, ahead of the other warps' first units, so that it
+  // queues behind only the early warps' copies (see the top of the file).
+  const int padded_groups = units * (kUnitCols / kGroup);
+  const float* w_scale_row = w_scales + static_cast<int64_t>(row0 / kGroup) * groups;
+  const float* w_scale_row2 =
+      w_scales + static_cast<int64_t>((row0 + hi_shift + kRows / 2) / kGroup) * groups;
+  for (int i = threadIdx.x; i < padded_groups; i += 32 * kGemvWarps) {
+    const bool ok = i < groups;
+    cp_async_4(smem_addr(sc + i), w_scale_row + (ok ? i : 0), ok);
+    if constexpr (kSilu) cp_async_4(smem_addr(sc_hi + i), w_scale_row2 + (ok ? i : 0), ok);
+  }
+  cp_async_commit();
+  const bool early = warp < early_warps;
+  if (early) {
 #pragma unroll
-  for (int j = 0; j < kRing; ++j) copy_or_commit(warp + j * kGemvWarps, j);
+    for (int j = 0; j < kRing; ++j) copy_or_commit(warp + j * kGemvWarps, j);
+  }
   if constexpr (kPdl) {
     pdl_wait();  // x may be the previous kernel's output, out its input
     // The next kernel may launch now: its griddepcontrol.wait still waits for this whole grid,
     // and its launch and prologue overlap this one's stream.
     pdl_launch_dependents();
   }
-
-  quantize_x<32 * kGemvWarps, kSilu>(
-      x, w_scales + static_cast<int64_t>(row0 / kGroup) * groups, k, groups,
-      units * (kUnitCols / kGroup), xh, sc,
-      w_scales + static_cast<int64_t>((row0 + hi_shift + kRows / 2) / kGroup) * groups, sc_hi);
+  const uint32_t xh_addr = smem_addr(xh);
+  for (int c = threadIdx.x; c < k / 8; c += 32 * kGemvWarps)
+    cp_async_16(xh_addr + 16 * c, x + 8 * c, true);
+  cp_async_commit();
+  if (early) {
+    cp_async_wait<0>();  // x (its first units, issued before it, have landed as well)
+  } else {
+#pragma unroll
+    for (int j = 0; j < kRing; ++j) copy_or_commit(warp + j * kGemvWarps, j);
+    cp_async_wait<kRing>();  // the scales and x
+  }
+  __syncthreads();  // everyone's x and scales
+  quantize_x_in_place<32 * kGemvWarps, kSilu>(xh, k, padded_groups, sc, sc_hi);
   __syncthreads();
 
   float acc[2] = {0.f, 0.f};
@@ -527,6 +568,41 @@ cudaError_t allow_all_smem(const void* kernel, std::atomic<bool> (&done)[kMaxDev
   return cudaSuccess;
 }
 
+// Shared memory an SM offers its CTAs (cached per device; 0 if the query fails).
+int smem_per_sm() {
+  static std::atomic<int> cached[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess)
+    return 0;
+  cached[dev].store(v, std::memory_order_relaxed);
+  return v;
+}
+
+// How many of a CTA's warps issue their first units before the wait (gemv_kernel's early_warps):
+// about kPreWaitBytesPerSm of weight a SM ahead of x (the CTAs a SM runs at once x early warps x
+// 8 KB), but 2 where x is over 16 KB a CTA (K > 8192), whose copies then wait behind less.
+// Measured (benchmarks/linear_fp8_gemv_ab, H100, 3 rounds, us, 2 / 4 / 6 / 8 early warps, the
+// last being the kernel before, which loaded x with plain loads after all the first units):
+// Qwen3-8B qkv 9.23 / 8.73 / 10.02 / 10.99, o 7.59 / 7.09 / 6.10 / 6.29, gate_up 34.78 / 33.80 /
+// 34.34 / 35.27, down 18.12 / 18.65 / 19.72 / 20.51; Qwen3-32B qkv 21.22 / 20.34 / 20.11 /
+// 20.17, o 18.02 / 17.40 / 17.25 / 18.01, gate_up 85.47 / 84.67 / 84.64 / 85.70, down 62.47 /
+// 62.91 / 63.37 / 62.27 (all units after x: 8B qkv 10.43, o 8.07).
+constexpr int kPreWaitBytesPerSm = 96 * 1024;
+constexpr int kCtaSmemOverhead = 2048;  // the runtime's 1 KB a CTA and our static shared memory
+int early_warps(int64_t grid, size_t smem, int64_t k) {
+  if (k > 8192) return 2;
+  const int num_sms = current_device_info().num_sms, per_sm_smem = smem_per_sm();
+  if (num_sms <= 0 || per_sm_smem <= 0) return kGemvWarps;
+  const int64_t fit =
+      std::max<int64_t>(1, per_sm_smem / static_cast<int64_t>(smem + kCtaSmemOverhead));
+  const int64_t ctas = std::min<int64_t>(fit, (grid + num_sms - 1) / num_sms);
+  return static_cast<int>(std::clamp<int64_t>(kPreWaitBytesPerSm / (ctas * kWarpStageBytes), 1,
+                                              kGemvWarps));
+}
+
 // The one-token launch, plain or with silu_and_mul (n = 2I rows in; grid I / 8 then).
 template <bool kSilu>
 cudaError_t launch_gemv(void* out, const void* x, const void* w, const float* w_scales, int64_t n,
@@ -550,7 +626,7 @@ cudaError_t launch_gemv(void* out, const void* x, const void* w, const float* w_
       allow_all_smem(reinterpret_cast<const void*>(kernel), allowed[wide][pdl]);
   if (err != cudaSuccess) return err;
   return launch_ex(kernel, LaunchConfig(grid, dim3(32 * kGemvWarps), smem, stream, pdl, 1), o, xb,
-                   wb, w_scales, ni, ki);
+                   wb, w_scales, ni, ki, early_warps(grid.x, smem, k));
 }
 
 // k == 0 would leave out unwritten (an empty sum is 0, but nothing here writes it)

@@ -589,7 +589,9 @@ int smem_per_sm() {
 // Qwen3-8B qkv 9.23 / 8.73 / 10.02 / 10.99, o 7.59 / 7.09 / 6.10 / 6.29, gate_up 34.78 / 33.80 /
 // 34.34 / 35.27, down 18.12 / 18.65 / 19.72 / 20.51; Qwen3-32B qkv 21.22 / 20.34 / 20.11 /
 // 20.17, o 18.02 / 17.40 / 17.25 / 18.01, gate_up 85.47 / 84.67 / 84.64 / 85.70, down 62.47 /
-// 62.91 / 63.37 / 62.27 (all units after x: 8B qkv 10.43, o 8.07).
+// 62.91 / 63.37 / 62.27 (all units after x: 8B qkv 10.43, o 8.07). Around the choice (same
+// harness, against it): 64 / 128 KB a SM 0.988x / 0.967x a Qwen3-8B layer, 0.995x / 0.980x a
+// 32B one; 1 or 3 warps past K = 8192 0.999-1.000x.
 constexpr int kPreWaitBytesPerSm = 96 * 1024;
 constexpr int kCtaSmemOverhead = 2048;  // the runtime's 1 KB a CTA and our static shared memory
 int early_warps(int64_t grid, size_t smem, int64_t k) {

@@ -35,31 +35,37 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // ---- host ----------------------------------------------------------------------------------------
 
-// Compute capability and SM count of the current device, queried once per device (a launch must
-// not ask the driver each time). 0 when the query fails: callers then take the plain path.
+// Compute capability, SM count and shared memory per SM of the current device, queried once per
+// device (a launch must not ask the driver each time). 0 when the query fails: callers then take
+// the plain path.
 struct DeviceInfo {
   int cc_major = 0;
   int cc_minor = 0;
   int num_sms = 0;
+  int smem_per_sm = 0;  // bytes an SM offers its CTAs (cudaDevAttrMaxSharedMemoryPerMultiprocessor)
 };
 
 inline DeviceInfo current_device_info() {
   constexpr int kMaxDevices = 64;
-  // major * 10 + minor and the SM count; 0 = not asked yet
-  static std::atomic<int> cc[kMaxDevices], sms[kMaxDevices];
+  // major * 10 + minor, the SM count and shared memory per SM; 0 = not asked yet
+  static std::atomic<int> cc[kMaxDevices], sms[kMaxDevices], smem[kMaxDevices];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return {};
   const int c = cc[dev].load(std::memory_order_relaxed);
-  DeviceInfo info{c / 10, c % 10, sms[dev].load(std::memory_order_relaxed)};
-  if (info.cc_major > 0 && info.num_sms > 0) return info;
+  DeviceInfo info{c / 10, c % 10, sms[dev].load(std::memory_order_relaxed),
+                  smem[dev].load(std::memory_order_relaxed)};
+  if (info.cc_major > 0 && info.num_sms > 0 && info.smem_per_sm > 0) return info;
   if (cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&info.cc_minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+          cudaSuccess) {
     cudaGetLastError();  // clear it: the op's launch check must not report a failed query
     return {};
   }
   cc[dev].store(info.cc_major * 10 + info.cc_minor, std::memory_order_relaxed);
   sms[dev].store(info.num_sms, std::memory_order_relaxed);
+  smem[dev].store(info.smem_per_sm, std::memory_order_relaxed);
   return info;
 }
 

@@ -568,19 +568,6 @@ cudaError_t allow_all_smem(const void* kernel, std::atomic<bool> (&done)[kMaxDev
   return cudaSuccess;
 }
 
-// Shared memory an SM offers its CTAs (cached per device; 0 if the query fails).
-int smem_per_sm() {
-  static std::atomic<int> cached[kMaxDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-  int v = cached[dev].load(std::memory_order_relaxed);
-  if (v > 0) return v;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess)
-    return 0;
-  cached[dev].store(v, std::memory_order_relaxed);
-  return v;
-}
-
 // How many of a CTA's warps issue their first units before the wait (gemv_kernel's early_warps):
 // about kPreWaitBytesPerSm of weight a SM ahead of x (the CTAs a SM runs at once x early warps x
 // 8 KB), but 2 where x is over 16 KB a CTA (K > 8192), whose copies then wait behind less.
@@ -596,7 +583,8 @@ constexpr int kPreWaitBytesPerSm = 96 * 1024;
 constexpr int kCtaSmemOverhead = 2048;  // the runtime's 1 KB a CTA and our static shared memory
 int early_warps(int64_t grid, size_t smem, int64_t k) {
   if (k > 8192) return 2;
-  const int num_sms = current_device_info().num_sms, per_sm_smem = smem_per_sm();
+  const DeviceInfo d = current_device_info();
+  const int num_sms = d.num_sms, per_sm_smem = d.smem_per_sm;
   if (num_sms <= 0 || per_sm_smem <= 0) return kGemvWarps;
   const int64_t fit =
       std::max<int64_t>(1, per_sm_smem / static_cast<int64_t>(smem + kCtaSmemOverhead));

@@ -1,10 +1,13 @@
-// A / B of the one-token FP8 GEMV (fp8::gemv, linear_fp8_gemv.cu) without torch: variants of that
-// file, each compiled into a namespace of its own (build.sh), on the same inputs, alternating.
-// Two timings, both CUDA-graph replays with the launches' PDL as the engine's graphs have it:
+// A / B of the FP8 weight-streaming GEMVs (fp8::gemv and fp8::gemv_tokens, linear_fp8_gemv.cu)
+// without torch: variants of that file, each compiled into a namespace of its own (build.sh), on
+// the same inputs, alternating. Three timings, all CUDA-graph replays with the launches' PDL as
+// the engine's graphs have it:
 //   each:  one projection called back to back, the weight rotated through enough copies to pass
 //          the 60 MB L2 (bench_linear_fp8.py's T = 1 rows);
 //   layer: a decode step's projections in the engine's order (qkv, o, gate_up, down) over every
-//          layer's own weights (Qwen3-8B: 36 layers, 7 GB; Qwen3-32B: its first 16).
+//          layer's own weights (Qwen3-8B: 36 layers, 7 GB; Qwen3-32B: its first 16);
+//   tokens: fp8::gemv_tokens at T = 2, 8, 16 on the projections linear_fp8 gives it (N < 16384),
+//          x already quantized (random e4m3 and scales), as "each".
 // Printed per variant: the best of the rounds' medians, the weight-read rate (e4m3 bytes and
 // scales), and its output against the first variant's (largest |difference| / largest |out|: the
 // same dot products summed in another order shows as ~1e-3).
@@ -23,12 +26,19 @@
   namespace NS::fp8 {                                                                  \
   cudaError_t gemv(void*, const void*, const void*, const float*, int64_t, int64_t,    \
                    cudaStream_t);                                                      \
+  cudaError_t gemv_tokens(void*, const void*, const float*, int64_t, const void*,      \
+                          const float*, int64_t, int64_t, int64_t, cudaStream_t);      \
   }
 #define CALL(NS) NS::fp8::gemv
 #include "variants.h"
 using Gemv = cudaError_t (*)(void*, const void*, const void*, const float*, int64_t, int64_t,
                              cudaStream_t);
 static const Gemv kGemv[] = {VARIANT_CALLS_LIST};
+#undef CALL
+#define CALL(NS) NS::fp8::gemv_tokens
+using GemvTokens = cudaError_t (*)(void*, const void*, const float*, int64_t, const void*,
+                                   const float*, int64_t, int64_t, int64_t, cudaStream_t);
+static const GemvTokens kTokens[] = {VARIANT_CALLS_LIST};
 static const char* kNames[] = {VARIANT_NAMES_LIST};
 constexpr int kVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 
@@ -58,17 +68,13 @@ struct Call {
   Weight w;
 };
 
-// Median time of one replay of `calls` (each a gemv of variant v) over `reps` replays, in us.
-static float time_graph(int v, const std::vector<Call>& calls, const std::vector<Proj>& projs,
-                        const std::vector<__nv_bfloat16*>& xs, const std::vector<void*>& outs,
-                        cudaStream_t st, int reps) {
+// Median time of one replay of the graph `capture(st)` records, over `reps` replays, in us.
+template <class Capture>
+static float time_graph(Capture capture, cudaStream_t st, int reps) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-  for (const Call& c : calls) {
-    const Proj& p = projs[c.proj];
-    CK(kGemv[v](outs[c.proj], xs[c.proj], c.w.w, c.w.s, p.n, p.k, st));
-  }
+  capture(st);
   CK(cudaStreamEndCapture(st, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
   cudaEvent_t e0, e1;
@@ -89,6 +95,34 @@ static float time_graph(int v, const std::vector<Call>& calls, const std::vector
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   return ms[reps / 2] * 1000.f;
+}
+
+// One replay of `calls`, each a gemv of variant v, in us.
+static float time_gemv(int v, const std::vector<Call>& calls, const std::vector<Proj>& projs,
+                       const std::vector<__nv_bfloat16*>& xs, const std::vector<void*>& outs,
+                       cudaStream_t st, int reps) {
+  return time_graph(
+      [&](cudaStream_t s) {
+        for (const Call& c : calls) {
+          const Proj& p = projs[c.proj];
+          CK(kGemv[v](outs[c.proj], xs[c.proj], c.w.w, c.w.s, p.n, p.k, s));
+        }
+      },
+      st, reps);
+}
+
+// One replay of `calls`, each a gemv_tokens of variant v on T tokens of xq, in us.
+static float time_tokens(int v, const std::vector<Call>& calls, const std::vector<Proj>& projs,
+                         int64_t t, const uint8_t* xq, const float* xs, int64_t scale_stride,
+                         void* out, cudaStream_t st, int reps) {
+  return time_graph(
+      [&](cudaStream_t s) {
+        for (const Call& c : calls) {
+          const Proj& p = projs[c.proj];
+          CK(kTokens[v](out, xq, xs, scale_stride, c.w.w, c.w.s, t, p.n, p.k, s));
+        }
+      },
+      st, reps);
 }
 
 // out of variant v on (x, w) against ref (the first variant's): max |diff| / max |ref|
@@ -165,7 +199,7 @@ int main(int argc, char** argv) {
       for (int r = 0; r < rounds; ++r)
         for (int v = 0; v < kVariants; ++v)
           best[v] = std::min(best[v],
-                             time_graph(v, calls, m.projs, xs, outs[v], st, 20) / calls.size());
+                             time_gemv(v, calls, m.projs, xs, outs[v], st, 20) / calls.size());
       printf("%s %-8s N=%-6lld K=%-6lld each:", m.name, p.name, (long long)p.n, (long long)p.k);
       for (int v = 0; v < kVariants; ++v)
         printf("  %s %.2f us %.2f TB/s (%.3fx)", kNames[v], best[v],
@@ -183,12 +217,55 @@ int main(int argc, char** argv) {
     std::vector<float> best(kVariants, 1e30f);
     for (int r = 0; r < rounds; ++r)
       for (int v = 0; v < kVariants; ++v)
-        best[v] = std::min(best[v], time_graph(v, calls, m.projs, xs, outs[v], st, 10));
+        best[v] = std::min(best[v], time_gemv(v, calls, m.projs, xs, outs[v], st, 10));
     printf("%s layers x%d qkv,o,gate_up,down:", m.name, m.layers);
     for (int v = 0; v < kVariants; ++v)
       printf("  %s %.1f us/layer %.2f TB/s (%.3fx)", kNames[v], best[v] / m.layers,
              bytes / (best[v] * 1e6), best[0] / best[v]);
     printf("\n");
+    // tokens: gemv_tokens at T = 2, 8, 16 where linear_fp8 takes it (N < 16384), on random
+    // e4m3 x and scales, each projection back to back over the rotated weights
+    for (const int64_t t : {2, 8, 16}) {
+      for (int i = 0; i < np; ++i) {
+        const Proj& p = m.projs[i];
+        if (p.n >= 16384) continue;
+        const int64_t groups = (p.k + 127) / 128, stride = (t + 3) / 4 * 4;
+        uint8_t* xq;
+        float* xs;
+        CK(cudaMalloc(&xq, t * p.k));
+        CK(cudaMalloc(&xs, groups * stride * 4));
+        fill_e4m3<<<256, 256>>>(xq, t * p.k, 500 + i, 300.f);
+        fill_f32<<<64, 256>>>(xs, groups * stride, 600 + i, 1e-3f, 0.5f);
+        std::vector<void*> tout(kVariants);
+        std::vector<__nv_bfloat16> ref(t * p.n), o(t * p.n);
+        for (int v = 0; v < kVariants; ++v) {
+          CK(cudaMalloc(&tout[v], t * p.n * 2));
+          CK(cudaMemset(tout[v], 0xff, t * p.n * 2));  // NaN poison
+          CK(kTokens[v](tout[v], xq, xs, stride, w[0][i].w, w[0][i].s, t, p.n, p.k, st));
+          CK(cudaStreamSynchronize(st));
+          CK(cudaMemcpy(v == 0 ? ref.data() : o.data(), tout[v], t * p.n * 2,
+                        cudaMemcpyDeviceToHost));
+          if (v > 0) printf("  %s %s T=%lld: %s vs %s max|d|/max|ref| %.2e\n", m.name, p.name,
+                            (long long)t, kNames[v], kNames[0], compare(ref, o));
+        }
+        std::vector<Call> calls;
+        for (int c = 0; c < 24; ++c) calls.push_back({i, w[c % m.layers][i]});
+        std::vector<float> best(kVariants, 1e30f);
+        for (int r = 0; r < rounds; ++r)
+          for (int v = 0; v < kVariants; ++v)
+            best[v] = std::min(best[v], time_tokens(v, calls, m.projs, t, xq, xs, stride, tout[v],
+                                                    st, 20) / calls.size());
+        printf("%s %-8s N=%-6lld K=%-6lld T=%-2lld:", m.name, p.name, (long long)p.n,
+               (long long)p.k, (long long)t);
+        for (int v = 0; v < kVariants; ++v)
+          printf("  %s %.2f us %.2f TB/s (%.3fx)", kNames[v], best[v],
+                 weight_bytes(p) / (best[v] * 1e6), best[0] / best[v]);
+        printf("\n");
+        for (auto* x : tout) CK(cudaFree(x));
+        CK(cudaFree(xq));
+        CK(cudaFree(xs));
+      }
+    }
     for (auto& lw : w)
       for (auto& x : lw) {
         CK(cudaFree(x.w));

@@ -95,6 +95,11 @@
 // for one tile of 8 tokens; 8 warps and 1 stage for two (the registers of a second x tile). The
 // one-token kernel's shared-memory stages lost here (H100, T = 16, us: o 14.31 against 13.46,
 // down 31.80 / 27.23, qkv 18.81 / 19.27; branch experiment/fp8-gemv-tokens-rows).
+// Registers bound its bytes in flight (~96 KB a SM; more stages or warps leave fewer CTAs a SM).
+// Asking L2 for the weight a few stages ahead of the loads (prefetch.global.L2) did not add
+// them: 0.94-0.97x on 8B qkv / o at T = 2..16; in the one-token kernel's ring past K = 4096,
+// 8B down 0.91x and 32B qkv / o 0.96 / 0.98x two units ahead (H100; branch
+// experiment/fp8-gemv-l2-prefetch).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

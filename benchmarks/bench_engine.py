@@ -375,6 +375,11 @@ def run_profile(llm: LLM, num_seqs: int, context: tuple[int, int], steps: int = 
     print(f"  roofline: weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at the H200's "
           f"{H200_READ_TBS} TB/s = {ideal_us:,.0f} us/step; kernels at {ideal_us / gpu_us:.0%} "
           f"of it, the step at {ideal_us / wall_us:.0%}")
+    if gpu_us > wall_us:
+        # PDL: a kernel is resident (and timed) from its launch, before its griddepcontrol.wait,
+        # while the kernel before it still runs
+        print("  kernels overlap (PDL launches): each time below includes its wait for the kernel "
+              "before it, so they do not add up to the step")
     print(f"  | kernel | calls/step | us/step | share |\n  |---|---|---|---|")
     for e in rows[:top]:
         name = e.key if len(e.key) <= 70 else e.key[:67] + "..."

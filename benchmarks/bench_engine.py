@@ -362,7 +362,7 @@ def run_profile(llm: LLM, num_seqs: int, context: tuple[int, int], steps: int = 
     model = runner.model
     cfg = llm.config.hf_config
     kv_heads = max(1, cfg.num_key_value_heads // llm.config.tensor_parallel_size)
-    kv_elem = torch.empty((), dtype=llm.config.kv_cache_torch_dtype).element_size()  # e4m3: 1
+    kv_elem = llm.config.kv_cache_torch_dtype.itemsize  # e4m3: 1
     kv_bytes = ((sum(lengths) + num_seqs * steps) * cfg.num_hidden_layers * 2 * kv_heads
                 * cfg.head_dim * kv_elem)
     w_bytes = weight_bytes_per_token(model)

@@ -1,5 +1,6 @@
 // Warp-level PTX wrappers shared by the tensor-core attention kernels (decode.cu, prefill.cu,
-// prefill_sm90_ws.cu): cp.async 16-byte copies, ldmatrix, mma.sync m16n8k16 (sm_80+), packing;
+// prefill_sm90_ws.cu) and the FP8 GEMV (linear_fp8_gemv.cu): cp.async 16- and 4-byte copies,
+// ldmatrix, mma.sync m16n8k16 (sm_80+), packing;
 // and, below, the sm_90a wrappers (wgmma, mbarriers, TMA, named barriers, setmaxnreg): the only
 // ones in csrc (the CUTLASS GEMMs issue their own).
 #pragma once
@@ -19,6 +20,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(src_bytes));
+}
+
+// 4-byte global -> shared copy in the thread's current cp.async group; !valid: zero-filled.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
 }
 
 __device__ __forceinline__ void cp_async_commit() {

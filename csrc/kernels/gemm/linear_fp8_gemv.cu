@@ -216,12 +216,6 @@ __device__ __forceinline__ void quantize_x_in_place(uint16_t* xh, int k, int pad
   }
 }
 
-// 4-byte global -> shared copy in the thread's current cp.async group; !valid: zero-filled.
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-
 // ---- one token: fp8::gemv ---------------------------------------------------------------------
 
 // A unit of kUnitCols columns of the CTA's 16 rows: row r at r * kUnitCols; its chunk c (16

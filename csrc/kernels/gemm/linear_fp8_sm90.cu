@@ -466,11 +466,11 @@ enum class Config {
 // 12,433 / 12,441 against 12,282 / 12,284 output tok/s.
 // Lost at 129..256 tokens (branch experiment/fp8-gemm-mid-clusters, linear_fp8_ab `mid`, H100):
 // SwapCoop128x96 in a 1 x 2, 2 x 1 or 2 x 2 cluster (TMA multicast of the weight tile to both
-// token tiles, or of the token tile to two weight tiles) 0.99-1.01x at M = 176 (gate_up 45.4 vs
-// 45.7 us, qkv 17.0 vs 17.2), so L2-to-SM traffic is not what holds that tile at ~2.2 TB/s;
-// forced data-parallel, stream-K or split-K 2 / 3 decompositions 0.55-1.00x. Down at 144..192
-// would take SwapCoop128x96 on the H100 (31.0-32.2 vs Pingpong64 32.3-34.3 us); the H200 sweep
-// above chose Pingpong64 there.
+// token tiles, or of the token tile to two weight tiles): at M = 176 1 x 2 1.01x (gate_up 45.4
+// vs 45.7 us, qkv 17.0 vs 17.2), 2 x 1 0.94-1.01x, 2 x 2 0.81-0.97x, so L2-to-SM traffic is not
+// what holds that tile at ~2.2 TB/s; forced data-parallel, stream-K or split-K 2 / 3
+// decompositions 0.53-1.00x. Down at 144..192 would take SwapCoop128x96 on the H100 (31.0-32.2
+// vs Pingpong64 32.3-34.3 us); the H200 sweep above chose Pingpong64 there.
 Config choose(int64_t m, int64_t n, int64_t k) {
   if (m <= 32) return Config::kSwapCoop128x16;
   if (m <= 64) return n <= 4096 ? Config::kSwapCoop128x16 : Config::kSwapCoop128x32;

@@ -104,6 +104,13 @@
 // 4k 77.2 vs 101.8, the batch-invariant launch at B=176 134.0 vs 171.8; outputs within a few
 // bf16 ulps of it. Twice the stages in the same shared memory won at B=32 x 4k (66.8) and lost
 // elsewhere (120.1 / 83.0 / 23.1 / 25.2 / 135.4 on the shapes above).
+// Fewer instructions a byte did not pay (benchmarks/decode_ab, H100, 3 rounds, against this kernel;
+// branch experiment/decode-fp8-alu-widen): the widening by bit operations instead of cvt ((w &
+// 0x80008000) | ((w & 0x7f007f00) >> 1) is the value times 2^-8, the factor folded into the
+// scales) 0.96-0.98x on every fp8 shape (B=176 x 100..2047 149.4 against 144.1 us); skipping o's
+// rescale where no row's maximum moved, or the key compares of a tile inside both rows' lengths
+// (the same bits), 1.00x. So the e4m3 cache's rate under the 16-bit one's (2.7 against 3.0 TB/s
+// at B=176) is not its issue rate.
 //
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
 // arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so

@@ -4,10 +4,12 @@
 // one run's (largest absolute difference; bf16 outputs, so a different summation order shows as a
 // few ulps). Shapes: bench_attention_decode.py's (Qwen3-8B heads, blocks of 16), the 8B
 // workload's decode step (176 sequences of 100..2047 keys) and batch 1, each with a bf16 and an
-// fp8 cache, and the last two again in the batch-invariant launch ("inv", the deterministic
-// mode's). Timed as CUDA-graph replays of 20 calls (no host time between launches, as in the
-// engine). The cache is not rotated: a batch-1 shape's K/V (a few MB) stay in the L2 between
-// launches, so those rows compare variants, not HBM rates.
+// fp8 cache, B=32 x 4k's K/V bytes and (sequence, kv head) pairs again with one or two kv heads
+// (4/1, 8/2: a kv head's keys then lie 128 / 256 bytes apart in an e4m3 cache instead of 1 KB)
+// and in pages of 256, and the last two again in the batch-invariant launch ("inv", the
+// deterministic mode's). Timed as CUDA-graph replays of 20 calls (no host time between launches,
+// as in the engine). The cache is not rotated: a batch-1 shape's K/V (a few MB) stay in the L2
+// between launches, so those rows compare variants, not HBM rates.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -97,6 +99,12 @@ int main(int argc, char** argv) {
     shapes.push_back({std::string("B=128 ctx=1024") + kv, uni(128, 1024), 32, 8, 16, fp8});
     shapes.push_back({std::string("B=16 ctx=2048") + kv, uni(16, 2048), 32, 8, 16, fp8});
     shapes.push_back({std::string("B=1 ctx=32768") + kv, uni(1, 32768), 32, 8, 16, fp8});
+    // B=32 x 4k's bytes and pairs with 1 / 2 kv heads (a kv head's keys closer together)
+    shapes.push_back({std::string("B=256 ctx=4096 4/1") + kv, uni(256, 4096), 4, 1, 16, fp8});
+    shapes.push_back({std::string("B=32 ctx=4096 bs256") + kv, uni(32, 4096), 32, 8, 256, fp8});
+    shapes.push_back(
+        {std::string("B=256 ctx=4096 4/1 bs256") + kv, uni(256, 4096), 4, 1, 256, fp8});
+    shapes.push_back({std::string("B=128 ctx=4096 8/2") + kv, uni(128, 4096), 8, 2, 16, fp8});
     shapes.push_back({std::string("B=176 ctx=100..2047") + kv, mix, 32, 8, 16, fp8});
     // the same lengths, longest first: the batch's rows in the order the CTAs are dispatched
     std::vector<int> desc = mix;

@@ -109,8 +109,8 @@
 // 0x80008000) | ((w & 0x7f007f00) >> 1) is the value times 2^-8, the factor folded into the
 // scales) 0.96-0.98x on every fp8 shape (B=176 x 100..2047 149.4 against 144.1 us); skipping o's
 // rescale where no row's maximum moved, or the key compares of a tile inside both rows' lengths
-// (the same bits), 1.00x. So the e4m3 cache's rate under the 16-bit one's (2.7 against 3.0 TB/s
-// at B=176) is not its issue rate.
+// (the same bits), 1.00x. So what holds the e4m3 cache under the 16-bit one's rate (2.7 against
+// 3.0 TB/s at B=176) is not its instruction count.
 //
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
 // arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so

@@ -110,7 +110,14 @@
 // scales) 0.96-0.98x on every fp8 shape (B=176 x 100..2047 149.4 against 144.1 us); skipping o's
 // rescale where no row's maximum moved, or the key compares of a tile inside both rows' lengths
 // (the same bits), 1.00x. So what holds the e4m3 cache under the 16-bit one's rate (2.7 against
-// 3.0 TB/s at B=176) is not its instruction count.
+// 3.0 TB/s at B=176) is not its instruction count. Nor its occupancy or the cache's layout
+// (benchmarks/decode_ab, H100, 3 rounds, same call; branch experiment/decode-fp8-occupancy):
+// __launch_bounds__ for 4 w4s3 CTAs a SM instead of the 3 its 156 registers allow (128
+// registers, a 28-byte spill) 0.91-0.97x (B=176 x 100..2047 160.2 against 145.2 us), for 2
+// w8s3c1 CTAs 0.76-0.96x on the split shapes (B=16 x 2k 33.4 against 25.5); the e4m3 rate is the
+// same whether a kv head's consecutive keys are 1 KB apart (Hkv 8: B=32 x 4k 2.65 TB/s), 256 B
+// (Hkv 2: 2.61) or 128 B (Hkv 1: 2.63), or in pages of 256 (2.66), where the 16-bit cache reads
+// 3.0-3.1 TB/s on each.
 //
 // Workspace: the binding passes fp32 [B, Hq, max_splits, D + 1]; this file uses it as two flat
 // arrays, partial outputs [B, Hq, max_splits, D] followed by log2-sum-exps [B, Hq, max_splits], so
